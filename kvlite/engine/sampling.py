@@ -1,0 +1,57 @@
+"""Token sampling through llama.cpp's sampler chain (greedy when temperature is 0)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import llama_cpp as L
+import numpy as np
+
+from ..errors import KvliteError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temp: float = 0.0  # 0: greedy
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temp < 0:
+            raise KvliteError(f"--temp must be >= 0, got {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise KvliteError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise KvliteError(f"--top-k must be >= 0, got {self.top_k}")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams = SamplingParams()):
+        self.params = params
+        chain_params = L.llama_sampler_chain_default_params()
+        self.ptr = L.llama_sampler_chain_init(chain_params)
+        if params.temp == 0:
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_top_k(params.top_k))
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_top_p(params.top_p, 1))
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_temp(params.temp))
+            L.llama_sampler_chain_add(self.ptr, L.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
+
+    def sample(self, ctx_ptr, row: int = -1) -> int:
+        """Sample from row `row` of the last decode's logits (and tell the chain what was chosen)."""
+        return int(L.llama_sampler_sample(self.ptr, ctx_ptr, row))
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            L.llama_sampler_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def greedy(logits: np.ndarray) -> int:
+    return int(np.argmax(logits))

@@ -1,0 +1,117 @@
+"""ctypes binding of native/kvlite_native.c, the ggml score kernels.
+
+The library is built by `pip install .` (scikit-build-core) against the ggml that llama-cpp-python
+installs. A missing or stale build is an error: there is no slower fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+
+import numpy as np
+
+import llama_cpp  # noqa: F401  -- maps libggml* first, so the kernels share llama.cpp's ggml
+
+from .errors import KvliteError
+
+ABI_VERSION = 1
+_LIB_NAME = "libkvlite_native.so"
+_REBUILD = "reinstall kvlite (pip install .) to rebuild it"
+
+GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
+
+
+def _find_library() -> pathlib.Path:
+    # Installed next to this file; an editable/source checkout may hold it in build/.
+    here = pathlib.Path(__file__).resolve().parent
+    candidates = [here / _LIB_NAME, *sorted(here.parent.glob(f"build/*/{_LIB_NAME}"))]
+    for path in candidates:
+        if path.exists():
+            return path
+    raise KvliteError(f"kvlite's native library ({_LIB_NAME}) is missing: {_REBUILD}")
+
+
+class Native:
+    """The loaded library and one ggml CPU backend reused across calls."""
+
+    def __init__(self, n_threads: int = 2, path: str | pathlib.Path | None = None):
+        self._ctx = None
+        path = pathlib.Path(path) if path else _find_library()
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise KvliteError(f"cannot load {path}: {e}; {_REBUILD}") from None
+        try:
+            lib.kvl_abi_version.restype = ctypes.c_int
+            abi = lib.kvl_abi_version()
+        except AttributeError:
+            raise KvliteError(f"{path} is not kvlite's native library; {_REBUILD}") from None
+        if abi != ABI_VERSION:
+            raise KvliteError(f"{path} is stale (ABI {abi}, this kvlite needs {ABI_VERSION}); {_REBUILD}")
+        lib.kvl_init.restype = ctypes.c_void_p
+        lib.kvl_init.argtypes = [ctypes.c_int]
+        lib.kvl_free.argtypes = [ctypes.c_void_p]
+        lib.kvl_ggml_tensor_size.restype = ctypes.c_size_t
+        lib.kvl_attn_pool.restype = ctypes.c_int
+        lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        self._lib = lib
+        self._ctx = lib.kvl_init(n_threads)
+        if not self._ctx:
+            raise KvliteError("kvlite's native library could not start a ggml CPU backend")
+        self.path = path
+
+    def ggml_tensor_size(self) -> int:
+        return int(self._lib.kvl_ggml_tensor_size())
+
+    def attn_pool(self, q: np.ndarray, k: np.ndarray, scale: float | None = None) -> np.ndarray:
+        """EchoKV Eq. 3 per layer and KV group.
+
+        q: [n_layer, n_head, n_q, head_dim] float32 (post-RoPE queries);
+        k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score).
+        Returns [n_layer, n_head_kv, n_keys]: each key's softmax probability summed over the
+        queries of its group (a query head h reads KV head h // (n_head // n_head_kv)).
+        """
+        if q.ndim != 4 or k.ndim != 4:
+            raise KvliteError(f"attn_pool wants 4-d q and k, got q{q.shape} k{k.shape}")
+        n_layer, n_head, n_q, head_dim = q.shape
+        if k.shape[0] != n_layer or k.shape[3] != head_dim or n_head % k.shape[1] != 0:
+            raise KvliteError(f"attn_pool: q{q.shape} and k{k.shape} do not match (layers, head_dim, GQA)")
+        if q.dtype != np.float32:
+            raise KvliteError(f"attn_pool: q must be float32, got {q.dtype}")
+        k_type = {np.dtype(np.float32): GGML_TYPE_F32, np.dtype(np.float16): GGML_TYPE_F16}.get(k.dtype)
+        if k_type is None:
+            raise KvliteError(f"attn_pool: k must be float32 or float16, got {k.dtype}")
+        q = np.ascontiguousarray(q)
+        k = np.ascontiguousarray(k)
+        n_head_kv, n_keys = k.shape[1], k.shape[2]
+        out = np.empty((n_layer, n_head_kv, n_keys), np.float32)
+        scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+        rc = self._lib.kvl_attn_pool(
+            self._ctx, q.ctypes.data, k.ctypes.data, k_type,
+            n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, scale, out.ctypes.data,
+        )  # fmt: skip
+        if rc != 0:
+            raise KvliteError(f"native attn_pool failed (status {rc}) for q{q.shape} k{k.shape}")
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self._lib.kvl_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+_shared: Native | None = None
+
+
+def native() -> Native:
+    """The process-wide instance (one backend, loaded on first use)."""
+    global _shared
+    if _shared is None:
+        _shared = Native()
+    return _shared

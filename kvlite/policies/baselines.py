@@ -1,0 +1,35 @@
+"""Policies that need no attention: keep everything, or keep the sinks and the most recent tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..cache import KVCache
+from .base import Policy
+
+
+@dataclasses.dataclass
+class FullKV(Policy):
+    """No eviction: the reference every other policy is measured against."""
+
+    name = "full"
+
+    def validate(self) -> None:
+        super().validate()
+        self.budget = None
+
+    def scores(self, cache: KVCache) -> np.ndarray:
+        return np.zeros(cache.n_resident)
+
+
+@dataclasses.dataclass
+class StreamingLLM(Policy):
+    """StreamingLLM (Xiao et al., 2024): attention sinks plus a window of the most recent tokens."""
+
+    name = "streaming"
+    continuous = True
+
+    def scores(self, cache: KVCache) -> np.ndarray:
+        return cache.positions().astype(np.float64)  # later is better

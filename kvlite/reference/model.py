@@ -1,0 +1,159 @@
+"""A torch re-implementation of llama.cpp's llama and qwen2 graphs, read from the same GGUF file.
+
+It is the yardstick the engine and the native kernels are held to: it computes what llama.cpp
+should compute at explicit positions, with a KV cache whose entries can be evicted (leaving holes
+in positions) exactly as kvlite evicts cells. Weights are used as stored in the GGUF (llama's Q/K
+rows are already permuted for NORM rope by llama.cpp's converter), dequantized to float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from ..models import ModelInfo, read_model_info
+
+
+@dataclasses.dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    ffn_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def load_gguf_tensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(path)
+    out = {}
+    for t in reader.tensors:
+        a = np.asarray(dequantize(t.data, t.tensor_type))
+        shape = tuple(int(n) for n in reversed(t.shape))  # ggml ne -> numpy order
+        out[t.name] = torch.from_numpy(a.reshape(shape).astype(np.float64)).to(dtype)
+    return out
+
+
+class RefCache:
+    """Per-layer K and V at explicit positions (post-RoPE K, as llama.cpp caches it)."""
+
+    def __init__(self, n_layer: int):
+        self.k: list[torch.Tensor | None] = [None] * n_layer  # [n, Hkv, D]
+        self.v: list[torch.Tensor | None] = [None] * n_layer
+        self.pos = torch.zeros(0, dtype=torch.long)
+
+    def keep(self, positions) -> None:
+        """Evict every cached entry whose position is not in `positions`."""
+        want = torch.as_tensor(np.asarray(list(positions)), dtype=torch.long)
+        mask = torch.isin(self.pos, want)
+        self.pos = self.pos[mask]
+        self.k = [k[mask] for k in self.k]
+        self.v = [v[mask] for v in self.v]
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, base: float, mode: str) -> torch.Tensor:
+    """x: [T, heads, D] rotated to positions pos [T]. norm: pairs (2i, 2i+1); neox: (i, i + D/2)."""
+    d = x.shape[-1]
+    inv = base ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    theta = pos.to(torch.float64)[:, None] * inv[None, :]  # [T, D/2]
+    cos = torch.cos(theta)[:, None, :].to(x.dtype)
+    sin = torch.sin(theta)[:, None, :].to(x.dtype)
+    if mode == "norm":
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = x0 * cos - x1 * sin
+        out[..., 1::2] = x0 * sin + x1 * cos
+        return out
+    x0, x1 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+
+
+class ReferenceModel:
+    def __init__(self, path: str, dtype: torch.dtype = torch.float64, kv_dtype: torch.dtype | None = None):
+        """kv_dtype: the precision llama.cpp stores K/V in (torch.float16 for its default f16
+        cache); cached values are rounded to it, as llama.cpp does when it writes a cell."""
+        self.info: ModelInfo = read_model_info(path)
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        w = load_gguf_tensors(str(path), dtype)
+        self.tok_embd = w["token_embd.weight"]
+        self.out_norm = w["output_norm.weight"]
+        self.output = w.get("output.weight", self.tok_embd)  # tied embeddings when absent
+        self.layers = [
+            LayerWeights(
+                attn_norm=w[f"blk.{i}.attn_norm.weight"],
+                wq=w[f"blk.{i}.attn_q.weight"],
+                wk=w[f"blk.{i}.attn_k.weight"],
+                wv=w[f"blk.{i}.attn_v.weight"],
+                wo=w[f"blk.{i}.attn_output.weight"],
+                bq=w.get(f"blk.{i}.attn_q.bias"),
+                bk=w.get(f"blk.{i}.attn_k.bias"),
+                bv=w.get(f"blk.{i}.attn_v.bias"),
+                ffn_norm=w[f"blk.{i}.ffn_norm.weight"],
+                w_gate=w[f"blk.{i}.ffn_gate.weight"],
+                w_up=w[f"blk.{i}.ffn_up.weight"],
+                w_down=w[f"blk.{i}.ffn_down.weight"],
+            )
+            for i in range(self.info.n_layer)
+        ]
+
+    def new_cache(self) -> RefCache:
+        return RefCache(self.info.n_layer)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.info.rms_eps) * weight
+
+    @staticmethod
+    def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        y = x @ w.T
+        return y if b is None else y + b
+
+    def forward(self, tokens, positions, cache: RefCache, capture: dict | None = None) -> torch.Tensor:
+        """Process tokens at positions on top of the cache (which grows by them). Each token
+        attends to cached entries and new tokens at positions <= its own, like llama.cpp's mask.
+        Returns logits [T, n_vocab]; if capture is a dict it receives per layer "q_pre", "q"
+        ([T, H, D]), "k" ([T, Hkv, D]) and "hidden" (the input of each layer, [T, n_embd])."""
+        info = self.info
+        H, Hkv, D = info.n_head, info.n_head_kv, info.head_dim
+        pos = torch.as_tensor(np.asarray(list(positions)), dtype=torch.long)
+        x = self.tok_embd[torch.as_tensor(np.asarray(list(tokens)), dtype=torch.long)]
+        T = x.shape[0]
+        all_pos = torch.cat([cache.pos, pos])
+        visible = all_pos[None, :] <= pos[:, None]  # [T, n_cached + T]
+        for il, lw in enumerate(self.layers):
+            if capture is not None:
+                capture[("hidden", il)] = x.clone()
+            h = self._norm(x, lw.attn_norm)
+            q_pre = self._linear(h, lw.wq, lw.bq).view(T, H, D)
+            k = rope(self._linear(h, lw.wk, lw.bk).view(T, Hkv, D), pos, info.rope_base, info.rope_type)
+            v = self._linear(h, lw.wv, lw.bv).view(T, Hkv, D)
+            q = rope(q_pre, pos, info.rope_base, info.rope_type)
+            if self.kv_dtype is not None:
+                k, v = k.to(self.kv_dtype).to(self.dtype), v.to(self.kv_dtype).to(self.dtype)
+            if capture is not None:
+                capture[("q_pre", il)], capture[("q", il)], capture[("k", il)] = q_pre, q, k
+            ks = k if cache.k[il] is None else torch.cat([cache.k[il], k])
+            vs = v if cache.v[il] is None else torch.cat([cache.v[il], v])
+            cache.k[il], cache.v[il] = ks, vs
+            group = H // Hkv
+            kh = ks.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
+            vh = vs.repeat_interleave(group, dim=1)
+            att = torch.einsum("thd,nhd->htn", q, kh) / D**0.5
+            att = att.masked_fill(~visible[None], float("-inf")).softmax(-1)
+            o = torch.einsum("htn,nhd->thd", att, vh).reshape(T, H * D)
+            x = x + o @ lw.wo.T
+            h = self._norm(x, lw.ffn_norm)
+            x = x + (torch.nn.functional.silu(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T
+        cache.pos = all_pos
+        return self._norm(x, self.out_norm) @ self.output.T

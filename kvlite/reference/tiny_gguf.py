@@ -1,0 +1,108 @@
+"""Writes tiny f32 GGUF models (llama and qwen2 architectures) that llama.cpp loads and runs.
+
+f32 weights keep llama.cpp's matmuls free of activation quantization, so its numbers can be
+held to a torch reference tightly. The vocabulary is SentencePiece-style: control tokens, the
+printable ASCII characters, and the 256 byte tokens for everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+
+# llama.cpp token types
+NORMAL, CONTROL, BYTE = 1, 3, 6
+
+
+@dataclasses.dataclass(frozen=True)
+class TinySpec:
+    arch: str = "llama"  # "llama" (NORM rope) or "qwen2" (NEOX rope, QKV bias, tied output)
+    n_layer: int = 3
+    n_head: int = 6
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_ff: int = 128
+    n_ctx_train: int = 4096
+    rope_base: float = 10000.0
+    seed: int = 0
+
+    @property
+    def n_embd(self) -> int:
+        return self.n_head * self.head_dim
+
+
+def vocabulary() -> tuple[list[str], list[int]]:
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [2, CONTROL, CONTROL]
+    tokens.append("\u2581")  # SentencePiece's space
+    types.append(NORMAL)
+    for c in range(33, 127):
+        tokens.append(chr(c))
+        types.append(NORMAL)
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>")
+        types.append(BYTE)
+    return tokens, types
+
+
+def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pathlib.Path:
+    import gguf
+
+    path = pathlib.Path(path)
+    rng = np.random.default_rng(spec.seed)
+    tokens, types = vocabulary()
+    n_vocab, E, D = len(tokens), spec.n_embd, spec.head_dim
+
+    def mat(n_out: int, n_in: int) -> np.ndarray:
+        return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+
+    def norm_weight() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), spec.arch)
+    w.add_name(f"tiny-{spec.arch}")
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(E)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * n_vocab)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((n_vocab, E)).astype(np.float32))
+    for i in range(spec.n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm_weight())
+        # Larger query/key weights give peaked attention, so eviction visibly changes the outputs.
+        w.add_tensor(f"blk.{i}.attn_q.weight", 2.0 * mat(spec.n_head * D, E))
+        w.add_tensor(f"blk.{i}.attn_k.weight", 2.0 * mat(spec.n_head_kv * D, E))
+        w.add_tensor(f"blk.{i}.attn_v.weight", mat(spec.n_head_kv * D, E))
+        if spec.arch == "qwen2":
+            w.add_tensor(f"blk.{i}.attn_q.bias", (0.5 * rng.standard_normal(spec.n_head * D)).astype(np.float32))
+            w.add_tensor(f"blk.{i}.attn_k.bias", (0.5 * rng.standard_normal(spec.n_head_kv * D)).astype(np.float32))
+            w.add_tensor(f"blk.{i}.attn_v.bias", (0.1 * rng.standard_normal(spec.n_head_kv * D)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(E, spec.n_head * D))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm_weight())
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(spec.n_ff, E))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(spec.n_ff, E))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(E, spec.n_ff))
+    w.add_tensor("output_norm.weight", norm_weight())
+    if spec.arch != "qwen2":  # qwen2 ties the output head to the embeddings
+        w.add_tensor("output.weight", mat(n_vocab, E))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny f32 GGUF models written with the gguf package, the default model, and a
+way to run the CLI as a user does."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+
+TINY_SPECS = {
+    "llama": TinySpec(arch="llama", n_layer=3, n_head=6, n_head_kv=2, head_dim=16, seed=1),
+    "qwen2": TinySpec(arch="qwen2", n_layer=2, n_head=4, n_head_kv=1, head_dim=32, rope_base=1e6, seed=2),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_paths(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("tiny")
+    return {arch: str(write_tiny_gguf(d / f"tiny-{arch}.gguf", spec)) for arch, spec in TINY_SPECS.items()}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_SPECS))
+def tiny_path(request, tiny_paths) -> str:
+    return tiny_paths[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_paths):
+    from kvlite.engine import Model
+
+    return Model(tiny_paths["llama"])
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> str:
+    from kvlite.models import default_model_path
+
+    return str(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def smol_model(smol_path):
+    from kvlite.engine import Model
+
+    return Model(smol_path)
+
+
+KVLITE = str(pathlib.Path(sys.executable).parent / "kvlite")  # the installed console script
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
+    """Run `kvlite ARGS` as a user would: the installed script, outside the source tree."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [KVLITE, *args],
+        cwd=cwd or tempfile.gettempdir(),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

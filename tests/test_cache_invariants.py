@@ -1,0 +1,103 @@
+"""What kvlite believes is resident must be what llama.cpp holds, per sequence, after any mix of
+appends, evictions, workspace operations and compaction (checked against llama.cpp's own state
+export, not against kvlite's bookkeeping)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlite.cache import KVCache, runs
+from kvlite.engine import LIVE, WORKSPACE, Context
+from kvlite.engine import kvstate
+
+
+def check(cache: KVCache) -> None:
+    for seq in (LIVE, WORKSPACE):
+        ours = cache.positions(seq)
+        theirs = cache.llama_positions(seq)
+        assert np.array_equal(ours, theirs), f"seq {seq}: kvlite {ours.tolist()} llama.cpp {theirs.tolist()}"
+
+
+def test_runs():
+    assert runs(np.array([1, 2, 3, 7, 9, 10])) == [(1, 4), (7, 8), (9, 11)]
+    assert runs(np.array([], dtype=int)) == []
+
+
+def test_state_blob_round_trips_byte_for_byte(tiny_model):
+    ctx = Context(tiny_model, n_ctx=128, n_batch=32)
+    cache = KVCache(ctx)
+    cache.append(list(range(10, 60)))
+    cache.evict([p for p in range(50) if p % 3 == 0 or p == 49])
+    blob = ctx.state_get(LIVE)
+    state = kvstate.parse(blob)
+    assert kvstate.build(state) == blob
+    assert np.array_equal(state.positions(), cache.positions())
+
+
+def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_model):
+    ctx = Context(tiny_model, n_ctx=256, n_batch=64)
+    cache = KVCache(ctx)
+    cache.append(list(range(5, 105)))
+    cache.evict([p for p in range(100) if p % 2 == 0 or p == 99])
+    before = ctx.state_get(LIVE)
+    cache.workspace_create([p for p in cache.positions() if p < 10 or p > 80])
+    cache.workspace_add([20, 22, 24])
+    cache.workspace_remove([0, 2])
+    cache.workspace_decode([7, 8, 9, 10], logits="all")
+    check(cache)
+    assert ctx.state_get(LIVE) == before
+    cache.workspace_drop()
+    check(cache)
+    assert ctx.state_get(LIVE) == before
+
+
+OPS = st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 24)),
+    st.tuples(st.just("evict"), st.floats(0.0, 1.0)),
+    st.tuples(st.just("compact"), st.just(0)),
+    st.tuples(st.just("ws_create"), st.floats(0.0, 1.0)),
+    st.tuples(st.just("ws_add"), st.floats(0.0, 1.0)),
+    st.tuples(st.just("ws_remove"), st.floats(0.0, 1.0)),
+    st.tuples(st.just("ws_decode"), st.integers(1, 4)),
+    st.tuples(st.just("ws_drop"), st.just(0)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
+def test_random_operation_sequences_match_llama_state(tiny_model, ops, seed):
+    rng = np.random.default_rng(seed)
+    ctx = Context(tiny_model, n_ctx=512, n_batch=32)
+    cache = KVCache(ctx)
+    cache.append([int(t) for t in rng.integers(3, 300, size=8)])
+
+    def sample(positions, share):
+        return [int(p) for p in positions if rng.random() < share]
+
+    for op, arg in ops:
+        live = cache.positions()
+        if op == "append" and not cache.workspace_active:
+            cache.append([int(t) for t in rng.integers(3, 300, size=arg)])
+        elif op == "evict":
+            cache.evict(sorted(set(sample(live, arg)) | {int(live[-1])}))
+        elif op == "compact" and not cache.workspace_active:
+            cache.compact()
+        elif op == "ws_create" and not cache.workspace_active:
+            cache.workspace_create(sample(live, arg) + [int(live[-1])])
+        elif op == "ws_add" and cache.workspace_active:
+            cache.workspace_add(sample(live, arg))
+        elif op == "ws_remove" and cache.workspace_active:
+            cache.workspace_remove(sample(live[:-1], arg))
+        elif op == "ws_decode" and cache.workspace_active:
+            cache.workspace_decode([int(t) for t in rng.integers(3, 300, size=arg)])
+        elif op == "ws_drop" and cache.workspace_active:
+            cache.workspace_drop()
+        check(cache)
+    if cache.workspace_active:
+        cache.workspace_drop()
+        check(cache)
+    # the live sequence still decodes after all that, at the next position
+    cache.append([5])
+    check(cache)

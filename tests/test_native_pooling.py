@@ -1,0 +1,90 @@
+"""The native Eq. 3 kernel against its torch twin.
+
+Tolerance: the kernel computes in f32 (f16 keys are widened exactly); the twin in float64. Each
+output is a sum of n_q * group softmax probabilities (<= n_q * group), so an f32 result carries
+~1e-7 relative error per term; 1e-5 absolute holds with margin for n_q * group <= 56."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvlite.engine import Capture, Context, Model
+from kvlite.cache import KVCache
+from kvlite.engine import kvstate
+from kvlite.errors import KvliteError
+from kvlite.native import Native, native
+from kvlite.reference.scores import attn_pool
+
+ATOL = 1e-5
+
+
+@pytest.mark.parametrize(
+    "n_layer,n_head,n_head_kv,n_q,n_keys,head_dim,k_dtype",
+    [
+        (1, 4, 4, 1, 7, 16, np.float32),  # GQA ratio 1
+        (3, 9, 3, 8, 300, 64, np.float16),  # ratio 3, SmolLM2-like heads
+        (2, 14, 2, 5, 1000, 64, np.float32),  # ratio 7, Qwen2.5-like heads
+        (2, 7, 1, 3, 33, 32, np.float16),
+    ],
+)
+def test_attn_pool_matches_torch(n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, k_dtype):
+    rng = np.random.default_rng(n_keys)
+    q = (3 * rng.standard_normal((n_layer, n_head, n_q, head_dim))).astype(np.float32)
+    k = (3 * rng.standard_normal((n_layer, n_head_kv, n_keys, head_dim))).astype(k_dtype)
+    got = native().attn_pool(q, k)
+    want = attn_pool(torch.from_numpy(q).double(), torch.from_numpy(k.astype(np.float64))).numpy()
+    assert got.shape == (n_layer, n_head_kv, n_keys)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    # each group's scores sum to its number of queries
+    np.testing.assert_allclose(got.sum(-1), n_q * n_head // n_head_kv, rtol=1e-5)
+
+
+def test_attn_pool_on_captured_queries_and_cached_keys(tiny_paths):
+    """Real inputs: post-RoPE queries captured from llama.cpp and keys read from its cache."""
+    model = Model(tiny_paths["llama"])
+    info = model.info
+    cap = Capture()
+    cap.request("q", range(info.n_layer))
+    ctx = Context(model, n_ctx=128, n_batch=64, capture=cap)
+    cache = KVCache(ctx)
+    cache.append(list(range(3, 53)))
+    q_all = np.stack([cap.get("q", il) for il in range(info.n_layer)])  # [L, T, H, D]
+    q = np.ascontiguousarray(q_all[:, -4:].transpose(0, 2, 1, 3))  # last 4 queries: [L, H, 4, D]
+    stream = kvstate.parse(ctx.state_get(0)).streams[0]
+    k = np.stack([kl.reshape(-1, info.n_head_kv, info.head_dim).transpose(1, 0, 2) for kl in stream.k])
+    got = native().attn_pool(q, k)
+    want = attn_pool(torch.from_numpy(q).double(), torch.from_numpy(k.astype(np.float64))).numpy()
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+
+
+def test_attn_pool_rejects_bad_input():
+    n = native()
+    q = np.zeros((2, 6, 1, 16), np.float32)
+    with pytest.raises(KvliteError, match="do not match"):
+        n.attn_pool(q, np.zeros((2, 4, 5, 16), np.float32))  # 6 heads over 4 KV heads
+    with pytest.raises(KvliteError, match="do not match"):
+        n.attn_pool(q, np.zeros((2, 2, 5, 8), np.float32))  # head_dim
+    with pytest.raises(KvliteError, match="float32 or float16"):
+        n.attn_pool(q, np.zeros((2, 2, 5, 16), np.float64))
+    with pytest.raises(KvliteError, match="must be float32"):
+        n.attn_pool(q.astype(np.float64), np.zeros((2, 2, 5, 16), np.float32))
+
+
+def test_missing_or_foreign_library_is_a_clear_error(tmp_path):
+    with pytest.raises(KvliteError, match="cannot load"):
+        Native(path=tmp_path / "libkvlite_native.so")
+    # a real shared library that is not kvlite's
+    import llama_cpp, pathlib
+
+    foreign = pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"
+    with pytest.raises(KvliteError, match="not kvlite's native library"):
+        Native(path=foreign)
+
+
+def test_ctypes_tensor_mirror_matches_the_headers():
+    from kvlite.engine.ggml_tensor import GgmlTensor
+    import ctypes
+
+    assert ctypes.sizeof(GgmlTensor) == native().ggml_tensor_size()

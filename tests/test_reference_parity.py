@@ -1,0 +1,107 @@
+"""llama.cpp (through kvlite's engine) against the torch reference on the tiny f32 models.
+
+Tolerance: the tiny models have f32 weights and the context an f32 KV cache, so llama.cpp does
+no activation quantization and no f16 rounding; what is left is f32 summation order against a
+float64 reference. Logits are O(1-10) here; 1e-3 absolute is ~100x the observed error (printed
+by -s) and far below any change an eviction makes (asserted too)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvlite.cache import KVCache
+from kvlite.engine import Capture, Context, Model
+from kvlite.reference.model import ReferenceModel
+
+ATOL_LOGITS = 1e-3
+ATOL_QK = 1e-4  # q and k are O(1-10): summation-order noise ~1e-6
+
+
+def _tokens(n: int, seed: int, n_vocab: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, n_vocab, size=n)]
+
+
+def _engine(path: str, n_ctx: int = 256, capture: Capture | None = None):
+    model = Model(path)
+    ctx = Context(model, n_ctx=n_ctx, n_batch=64, kv_type="f32", capture=capture)
+    return model, ctx, KVCache(ctx)
+
+
+def test_prefill_logits_and_qk_match_reference(tiny_path):
+    ref = ReferenceModel(tiny_path)
+    info = ref.info
+    cap = Capture()
+    cap.request("q", range(info.n_layer))
+    cap.request("k", range(info.n_layer))
+    cap.request("q_pre", range(info.n_layer))
+    model, ctx, cache = _engine(tiny_path, capture=cap)
+    toks = _tokens(40, 0, model.n_vocab)
+    cache.append(toks, logits="all")
+    got = np.stack([ctx.logits(i) for i in range(len(toks))])
+
+    rcap: dict = {}
+    want = ref.forward(toks, range(len(toks)), ref.new_cache(), capture=rcap).numpy()
+    err = np.abs(got - want).max()
+    print(f"{info.arch}: prefill logits max err {err:.2e} (|logit| max {np.abs(want).max():.2f})")
+    assert err < ATOL_LOGITS
+    for il in range(info.n_layer):
+        for kind in ("q", "k", "q_pre"):
+            e = np.abs(cap.get(kind, il) - rcap[(kind, il)].numpy()).max()
+            assert e < ATOL_QK, f"{kind} of layer {il}: {e}"
+
+
+def test_decode_after_evictions_with_holes_matches_reference(tiny_path):
+    ref = ReferenceModel(tiny_path)
+    info = ref.info
+    cap = Capture()
+    cap.request("q", range(info.n_layer))
+    cap.request("k", range(info.n_layer))
+    model, ctx, cache = _engine(tiny_path, capture=cap)
+    prompt = _tokens(60, 1, model.n_vocab)
+    new = _tokens(6, 2, model.n_vocab)
+    keep = [p for p in range(60) if p < 5 or 17 <= p < 23 or p % 7 == 0 or p == 59]
+
+    cache.append(prompt)
+    cache.evict(keep)
+    cap.clear()
+    cache.append(new, logits="all")
+    got = np.stack([ctx.logits(i) for i in range(len(new))])
+
+    rc = ref.new_cache()
+    ref.forward(prompt, range(60), rc)
+    full_cache_logits = ref.forward(new, range(60, 66), _copy(rc)).numpy()
+    rc.keep(keep)
+    rcap: dict = {}
+    want = ref.forward(new, range(60, 66), rc, capture=rcap).numpy()
+    err = np.abs(got - want).max()
+    effect = np.abs(full_cache_logits - want).max()
+    print(f"{info.arch}: after eviction logits max err {err:.2e}; eviction moved logits by {effect:.2f}")
+    assert err < ATOL_LOGITS
+    assert effect > 100 * ATOL_LOGITS, "the eviction must matter, or this test proves nothing"
+    for il in range(info.n_layer):
+        assert np.abs(cap.get("q", il) - rcap[("q", il)].numpy()).max() < ATOL_QK
+        assert np.abs(cap.get("k", il) - rcap[("k", il)].numpy()).max() < ATOL_QK
+
+
+def _copy(rc):
+    out = type(rc)(len(rc.k))
+    out.k, out.v, out.pos = list(rc.k), list(rc.v), rc.pos.clone()
+    return out
+
+
+@pytest.mark.parametrize("kv_type", ["f16"])
+def test_f16_cache_stays_close(tiny_paths, kv_type):
+    """The default f16 cache: the reference rounds cached K/V to f16 too; llama.cpp also rounds
+    the query to f16 inside the K.Q product, which the reference does not, hence 2e-2."""
+    path = tiny_paths["llama"]
+    ref = ReferenceModel(path, kv_dtype=torch.float16)
+    model = Model(path)
+    ctx = Context(model, n_ctx=128, n_batch=64, kv_type=kv_type)
+    toks = _tokens(30, 3, model.n_vocab)
+    KVCache(ctx).append(toks, logits="all")
+    got = np.stack([ctx.logits(i) for i in range(len(toks))])
+    want = ref.forward(toks, range(len(toks)), ref.new_cache()).numpy()
+    assert np.abs(got - want).max() < 2e-2
