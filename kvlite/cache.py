@@ -12,8 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .engine import LIVE, WORKSPACE, Context
-from .engine import kvstate
+from .engine import LIVE, WORKSPACE, Context, kvstate
 from .errors import KvliteError
 
 

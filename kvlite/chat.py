@@ -16,6 +16,7 @@ from .policies import Policy
 from .progress import progress_bar
 from .session import Session
 
+CHAT_CTX = 4096
 HELP = "/reset clears the conversation, /stats shows the cache, /quit leaves (or Ctrl-D)"
 
 
@@ -72,8 +73,8 @@ class Conversation:
         lines = [
             self.status(),
             f"positions used {c.n_pos}, resident {len(kept)}, max cells {c.max_cells}",
-            f"prefill {t['prefill_tokens']} tok in {t['prefill_s']:.2f} s, decode {t['decode_tokens']} tok in "
-            f"{t['decode_s']:.2f} s, eviction {t['evict_s'] * 1000:.1f} ms",
+            f"prefill {t['prefill_tokens']} tok in {t['prefill_s']:.2f} s, "
+            f"decode {t['decode_tokens']} tok in {t['decode_s']:.2f} s, eviction {t['evict_s'] * 1000:.1f} ms",
         ]
         return "\n".join(lines)
 
@@ -99,7 +100,9 @@ def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
     model = Model(resolve_model(args.model))
     if model.chat_template is None:
         raise KvliteError(f"{model.path.name} has no chat template: use `kvlite generate`")
-    n_ctx, chunk = plan_context(policy, args.ctx_size, 0, 0, args.chunk)
+    # A conversation's length is unknown: without eviction, give it a 4096-cell context.
+    n_ctx = args.ctx_size or (0 if policy.continuous else CHAT_CTX)
+    n_ctx, chunk = plan_context(policy, n_ctx, 0, 0, args.chunk)
     session = Session(model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads)
     conv = Conversation(session, system=args.system)
     interactive = sys.stdin.isatty()
@@ -129,9 +132,7 @@ def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
             continue
         with sigint_flag() as flag:
             try:
-                _, stopped = conv.turn(
-                    text, args.n_predict, on_text=_echo, interrupted=lambda: flag[0]
-                )
+                _, stopped = conv.turn(text, args.n_predict, on_text=_echo, interrupted=lambda: flag[0])
             except KvliteError as e:
                 print(f"\nkvlite: error: {e} (/reset starts over)", file=sys.stderr)
                 continue

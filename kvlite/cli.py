@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from . import __version__
@@ -20,8 +21,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
-    p.add_argument("-c", "--ctx-size", type=int, default=0,
-                   help="context cells; 0 = as needed (prompt + n_predict, or budget + chunk for streaming)")
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=0,
+        help="context cells; 0 = as needed: prompt + n_predict (chat: 4096), or budget + chunk for streaming",
+    )
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=40)
@@ -51,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="multi-turn chat; the compressed cache persists across turns")
     _add_run_args(p)
-    p.set_defaults(ctx_size=4096, n_predict=256)
+    p.set_defaults(n_predict=256)
     p.add_argument("--system", default=None, help="system prompt")
     return parser
 
@@ -92,7 +98,7 @@ def _read_prompt(args) -> str:
         text = args.prompt
     elif args.file is not None:
         try:
-            text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+            text = sys.stdin.read() if args.file == "-" else pathlib.Path(args.file).read_text(encoding="utf-8")
         except OSError as e:
             raise KvliteError(f"cannot read prompt file {args.file}: {e.strerror}") from None
     elif not sys.stdin.isatty():

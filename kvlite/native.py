@@ -9,9 +9,8 @@ from __future__ import annotations
 import ctypes
 import pathlib
 
-import numpy as np
-
 import llama_cpp  # noqa: F401  -- maps libggml* first, so the kernels share llama.cpp's ggml
+import numpy as np
 
 from .errors import KvliteError
 

@@ -80,7 +80,7 @@ class Session:
         policy: Policy | None = None,
         n_ctx: int = 4096,
         chunk: int = DEFAULT_CHUNK,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams | None = None,
         n_threads: int | None = None,
     ):
         self.model = model
@@ -89,8 +89,8 @@ class Session:
         self.chunk = chunk
         self.ctx = Context(model, n_ctx, n_batch=chunk, n_threads=n_threads)
         self.cache = KVCache(self.ctx)
-        self.sampling = sampling
-        self.sampler = Sampler(sampling)
+        self.sampling = sampling or SamplingParams()
+        self.sampler = Sampler(self.sampling)
         self.timings = Timings()
         self._compact_due = False
         self.kept_positions: np.ndarray | None = None
@@ -107,7 +107,10 @@ class Session:
         t0 = time.perf_counter()
         positions = self.cache.positions()
         keep = select_keep(
-            positions, self.policy.scores(self.cache), budget, protected_positions(positions, self.policy.sinks)
+            positions,
+            self.policy.scores(self.cache),
+            budget,
+            protected_positions(positions, self.policy.sinks),
         )
         if self.cache.evict(keep):
             self._compact_due = True

@@ -14,7 +14,7 @@ import pytest
 from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
 
 TINY_SPECS = {
-    "llama": TinySpec(arch="llama", n_layer=3, n_head=6, n_head_kv=2, head_dim=16, seed=1),
+    "llama": TinySpec(arch="llama", n_layer=3, n_head=6, n_head_kv=2, head_dim=16, seed=1, chat_template=True),
     "qwen2": TinySpec(arch="qwen2", n_layer=2, n_head=4, n_head_kv=1, head_dim=32, rope_base=1e6, seed=2),
 }
 

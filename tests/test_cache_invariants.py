@@ -9,8 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlite.cache import KVCache, runs
-from kvlite.engine import LIVE, WORKSPACE, Context
-from kvlite.engine import kvstate
+from kvlite.engine import LIVE, WORKSPACE, Context, kvstate
 
 
 def check(cache: KVCache) -> None:

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvlite.engine import Capture, Context, Model
 from kvlite.cache import KVCache
-from kvlite.engine import kvstate
+from kvlite.engine import Capture, Context, Model, kvstate
 from kvlite.errors import KvliteError
 from kvlite.native import Native, native
 from kvlite.reference.scores import attn_pool
@@ -76,7 +75,9 @@ def test_missing_or_foreign_library_is_a_clear_error(tmp_path):
     with pytest.raises(KvliteError, match="cannot load"):
         Native(path=tmp_path / "libkvlite_native.so")
     # a real shared library that is not kvlite's
-    import llama_cpp, pathlib
+    import pathlib
+
+    import llama_cpp
 
     foreign = pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"
     with pytest.raises(KvliteError, match="not kvlite's native library"):
@@ -84,7 +85,8 @@ def test_missing_or_foreign_library_is_a_clear_error(tmp_path):
 
 
 def test_ctypes_tensor_mirror_matches_the_headers():
-    from kvlite.engine.ggml_tensor import GgmlTensor
     import ctypes
+
+    from kvlite.engine.ggml_tensor import GgmlTensor
 
     assert ctypes.sizeof(GgmlTensor) == native().ggml_tensor_size()

@@ -67,9 +67,7 @@ class Context:
         self.close()
 
     # -- decode ---------------------------------------------------------------------------------
-    def decode(
-        self, tokens: Sequence[int], positions: Sequence[int], seq_id: int = LIVE, logits: str = "last"
-    ) -> None:
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_id: int = LIVE, logits: str = "last") -> None:
         """Decode tokens at the given positions on one sequence, n_batch at a time.
 
         logits: "last" (only the final token's row is kept), "all" or "none". Rows are indexed

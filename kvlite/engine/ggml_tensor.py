@@ -44,7 +44,12 @@ def _load_ggml_base() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(pathlib.Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
     lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
     lib.ggml_op_desc.restype = ctypes.c_char_p
-    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+    ]
     lib.ggml_backend_tensor_get.restype = None
     return lib
 

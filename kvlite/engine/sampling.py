@@ -27,7 +27,7 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams = SamplingParams()):
+    def __init__(self, params: SamplingParams):
         self.params = params
         chain_params = L.llama_sampler_chain_default_params()
         self.ptr = L.llama_sampler_chain_init(chain_params)

@@ -12,6 +12,12 @@ import pathlib
 
 import numpy as np
 
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 # llama.cpp token types
 NORMAL, CONTROL, BYTE = 1, 3, 6
 
@@ -27,6 +33,7 @@ class TinySpec:
     n_ctx_train: int = 4096
     rope_base: float = 10000.0
     seed: int = 0
+    chat_template: bool = False  # a ChatML template (llama.cpp's built-in engine renders it)
 
     @property
     def n_embd(self) -> int:
@@ -80,6 +87,8 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(False)
+    if spec.chat_template:
+        w.add_chat_template(CHATML)
 
     w.add_tensor("token_embd.weight", rng.standard_normal((n_vocab, E)).astype(np.float32))
     for i in range(spec.n_layer):

@@ -1,0 +1,107 @@
+"""Chat turns over a persistent cache, and interruption that leaves the cache consistent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import KVLITE
+
+from kvlite.chat import Conversation
+from kvlite.engine import Model
+from kvlite.policies import make_policy
+from kvlite.session import Session
+
+
+def consistent(session: Session) -> bool:
+    c = session.cache
+    return np.array_equal(c.positions(), c.llama_positions(0)) and len(c.llama_positions(1)) == 0
+
+
+def after(n: int):
+    """An `interrupted` callable that turns True on its n-th call."""
+    calls = [0]
+
+    def check() -> bool:
+        calls[0] += 1
+        return calls[0] > n
+
+    return check
+
+
+@pytest.fixture()
+def conversation(tiny_paths):
+    model = Model(tiny_paths["llama"])
+    session = Session(model, make_policy("streaming", budget=120, sinks=4), n_ctx=256, chunk=64)
+    return Conversation(session)
+
+
+def test_turns_feed_only_new_text_and_keep_the_budget(conversation):
+    s = conversation.session
+    reply1, _ = conversation.turn("first question " * 10, 8, None, lambda: False)
+    n1 = s.cache.n_pos
+    assert conversation.rendered.endswith(reply1)
+    reply2, _ = conversation.turn("second", 8, None, lambda: False)
+    # the second turn added its own text only, not the whole conversation again
+    added = s.cache.n_pos - n1
+    assert added < len(s.model.tokenize(conversation.rendered, add_special=False)) - n1 + 20
+    assert s.cache.n_resident <= 120 and consistent(s)
+
+
+def test_interrupted_reply_keeps_cache_consistent(conversation):
+    s = conversation.session
+    reply, stopped = conversation.turn("hello there", 50, None, after(1 + 3))  # 1 feed check, 3 tokens
+    assert stopped == "interrupted"
+    assert s.timings.decode_tokens == 3 and reply
+    assert consistent(s)
+    _, stopped = conversation.turn("and now?", 5, None, lambda: False)
+    assert stopped in ("length", "eog") and consistent(s)
+
+
+def test_interrupted_prefill_forgets_the_turn(conversation):
+    s = conversation.session
+    conversation.turn("hello", 4, None, lambda: False)
+    before = (s.cache.n_pos, s.cache.positions().tolist(), conversation.rendered, len(conversation.messages))
+    reply, stopped = conversation.turn("x" * 400, 4, None, after(2))  # stops after the 2nd chunk
+    assert (reply, stopped) == ("", "interrupted")
+    assert consistent(s)
+    assert (conversation.rendered, len(conversation.messages)) == before[2:]
+    assert s.cache.n_pos <= before[0] + 1
+    _, stopped = conversation.turn("again", 4, None, lambda: False)
+    assert consistent(s)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_chat_stops_the_reply_not_the_program():
+    proc = subprocess.Popen(
+        [KVLITE, "chat", "-n", "400"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    got_text = threading.Event()
+
+    def watch():
+        proc.stdout.read(1)
+        got_text.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    proc.stdin.write("Write a very long story about a dragon.\n")
+    proc.stdin.flush()
+    assert got_text.wait(120), "no reply started"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.stdin.write("/stats\nSay hi.\n")
+    out, err = proc.communicate(timeout=300)  # closes stdin: the chat ends after those lines
+    assert proc.returncode == 0, err
+    assert "(stopped)" in err
+    assert "Traceback" not in err
+    assert err.count("[cells") >= 3  # stopped reply, /stats, next reply

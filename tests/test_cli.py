@@ -1,0 +1,159 @@
+"""The CLI as a user runs it: the installed `kvlite` script in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+from conftest import run_cli
+
+
+def assert_one_line_error(proc, needle: str) -> None:
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvlite: error:") and needle in lines[0], lines[0]
+
+
+def test_info_json_on_tiny_model(tiny_paths):
+    proc = run_cli("info", "-m", tiny_paths["qwen2"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads(proc.stdout)
+    assert facts["arch"] == "qwen2" and facts["rope_type"] == "neox"
+    assert (facts["n_layer"], facts["n_head"], facts["n_head_kv"], facts["head_dim"]) == (2, 4, 1, 32)
+    assert "streaming" in facts["policies"]
+
+
+def test_generate_json_tiny_streaming(tiny_paths):
+    prompt = "abcdefghij" * 60  # 600 byte-level tokens
+    proc = run_cli("generate", "-m", tiny_paths["llama"], "-p", prompt, "-n", "12", "--json",
+                   "--policy", "streaming", "--budget", "100", "--sinks", "4", "--chunk", "64")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    cache = out["cache"]
+    assert out["prompt_tokens"] >= 600 and out["generated_tokens"] <= 12
+    assert cache["budget"] == 100 and cache["max_cells"] <= 100 + 64
+    n = out["prompt_tokens"]
+    assert cache["kept_positions"] == [0, 1, 2, 3] + list(range(n - 96, n))
+    assert cache["evicted"] >= n - 100
+    assert set(out["timings"]) >= {"prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"}
+
+
+def test_generate_reads_file_and_stdin(tiny_paths, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("hello world")
+    a = run_cli("generate", "-m", tiny_paths["llama"], "-f", str(f), "-n", "4", "--json")
+    b = run_cli("generate", "-m", tiny_paths["llama"], "-n", "4", "--json", stdin="hello world")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"]
+
+
+@pytest.mark.slow
+def test_generate_default_model_answers():
+    proc = run_cli("generate", "--chat", "-p", "What is the capital of France?", "-n", "24", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "Paris" in out["text"]
+    assert out["cache"]["evicted"] == 0 and out["cache"]["budget"] is None
+
+
+@pytest.mark.slow
+def test_generate_default_model_streams_text():
+    proc = run_cli("generate", "-p", "The capital of France is", "-n", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "[kvlite] prompt" in proc.stderr
+
+
+@pytest.mark.slow
+def test_chat_scripted_stdin_default_model():
+    script = "What is the capital of France?\n/stats\n/reset\nName a color.\n"
+    proc = run_cli("chat", "-n", "24", stdin=script)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "[conversation cleared]" in proc.stderr
+    assert proc.stderr.count("[cells") >= 3  # two status lines and /stats
+
+
+@pytest.mark.slow
+def test_chat_streaming_budget_holds_across_turns():
+    long_turn = "Tell me about the history of the city of Paris and its bridges. " * 12
+    script = f"{long_turn}\n{long_turn}\nWhat did I ask about?\n/stats\n"
+    proc = run_cli("chat", "-n", "32", "--policy", "streaming", "--budget", "160", "--chunk", "96",
+                   stdin=script)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    status = [ln for ln in proc.stderr.splitlines() if ln.startswith("[cells")]
+    assert len(status) == 4
+    for ln in status:
+        cells = int(ln.split()[1].split("/")[0])
+        assert cells <= 160
+    assert "evicted 0" not in status[-1]
+
+
+# -- bad input: one line on stderr, non-zero exit ------------------------------------------------
+
+
+def test_missing_model_file(tmp_path):
+    assert_one_line_error(run_cli("info", "-m", str(tmp_path / "nope.gguf")), "not found")
+
+
+def test_not_a_gguf(tmp_path):
+    f = tmp_path / "model.gguf"
+    f.write_text("this is not a model\n" * 10)
+    assert_one_line_error(run_cli("generate", "-m", str(f), "-p", "hi"), "not a GGUF")
+
+
+@pytest.mark.parametrize("keep_fraction", [0.5, 0.0005])  # cut in the data, cut in the header
+def test_truncated_gguf(tiny_paths, tmp_path, keep_fraction):
+    data = pathlib.Path(tiny_paths["llama"]).read_bytes()
+    f = tmp_path / "cut.gguf"
+    f.write_bytes(data[: max(8, int(len(data) * keep_fraction))])
+    assert_one_line_error(run_cli("generate", "-m", str(f), "-p", "hi"), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(run_cli("generate", "-m", str(path), "-p", "hi"), "unsupported architecture 'mamba'")
+
+
+def test_budget_at_or_below_sinks(tiny_paths):
+    proc = run_cli("generate", "-m", tiny_paths["llama"], "-p", "hi", "--policy", "streaming",
+                   "--budget", "4", "--sinks", "4")  # fmt: skip
+    assert_one_line_error(proc, "--budget 4")
+
+
+def test_budget_larger_than_context(tiny_paths):
+    proc = run_cli("generate", "-m", tiny_paths["llama"], "-p", "hi", "--policy", "streaming",
+                   "--budget", "600", "-c", "512")  # fmt: skip
+    assert_one_line_error(proc, "does not fit in the context")
+
+
+def test_prompt_longer_than_context_with_full_cache(tiny_paths):
+    proc = run_cli("generate", "-m", tiny_paths["llama"], "-p", "x" * 700, "-c", "256")
+    assert_one_line_error(proc, "raise -c or use an evicting policy")
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_empty_prompt(tiny_paths, prompt):
+    assert_one_line_error(run_cli("generate", "-m", tiny_paths["llama"], "-p", prompt), "empty")
+
+
+def test_policy_without_budget(tiny_paths):
+    proc = run_cli("generate", "-m", tiny_paths["llama"], "-p", "hi", "--policy", "streaming")
+    assert_one_line_error(proc, "needs --budget")
+
+
+def test_chat_without_template(tiny_paths):
+    assert_one_line_error(run_cli("chat", "-m", tiny_paths["qwen2"], stdin="hi\n"), "no chat template")
