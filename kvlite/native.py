@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import KvliteError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _LIB_NAME = "libkvlite_native.so"
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -56,11 +56,24 @@ class Native:
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        lib.kvl_capture_new.restype = ctypes.c_void_p
+        for fn in (lib.kvl_capture_free, lib.kvl_capture_clear, lib.kvl_capture_forget):
+            fn.argtypes = [ctypes.c_void_p]
+        lib.kvl_capture_want.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
+        lib.kvl_capture_enable.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.kvl_capture_count.argtypes = [ctypes.c_void_p]
+        lib.kvl_capture_record.restype = ctypes.POINTER(ctypes.c_float)
+        lib.kvl_capture_record.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                           ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
         self._lib = lib
         self._ctx = lib.kvl_init(n_threads)
         if not self._ctx:
             raise KvliteError("kvlite's native library could not start a ggml CPU backend")
         self.path = path
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        return self._lib
 
     def ggml_tensor_size(self) -> int:
         return int(self._lib.kvl_ggml_tensor_size())

