@@ -97,13 +97,15 @@ def sigint_flag() -> Iterator[list[bool]]:
 def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
     from .session import plan_context
 
-    model = Model(resolve_model(args.model))
+    model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
     if model.chat_template is None:
         raise KvliteError(f"{model.path.name} has no chat template: use `kvlite generate`")
     # A conversation's length is unknown: without eviction, give it a 4096-cell context.
     n_ctx = args.ctx_size or (0 if policy.continuous else CHAT_CTX)
     n_ctx, chunk = plan_context(policy, n_ctx, 0, 0, args.chunk)
-    session = Session(model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads)
+    session = Session(
+        model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads, flash_attn=args.flash_attn
+    )
     conv = Conversation(session, system=args.system)
     interactive = sys.stdin.isatty()
     print(f"kvlite chat: {model.info.name}, policy {policy.name}. {HELP}", file=sys.stderr)

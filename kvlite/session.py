@@ -82,12 +82,13 @@ class Session:
         chunk: int = DEFAULT_CHUNK,
         sampling: SamplingParams | None = None,
         n_threads: int | None = None,
+        flash_attn: bool = False,
     ):
         self.model = model
         self.policy = policy or FullKV()
         self.policy.validate()
         self.chunk = chunk
-        self.ctx = Context(model, n_ctx, n_batch=chunk, n_threads=n_threads)
+        self.ctx = Context(model, n_ctx, n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn)
         self.cache = KVCache(self.ctx)
         self.sampling = sampling or SamplingParams()
         self.sampler = Sampler(self.sampling)

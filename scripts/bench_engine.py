@@ -127,12 +127,18 @@ def main() -> None:
         return
     r = a["decode_tok_s"]
     print(f"\nmodel {model.info.name}; prefill of {a['prompt_tokens']} tokens at {a['prefill_tok_s']:.0f} tok/s")
-    print(f"(a) decode tok/s: full {a['prompt_tokens']}-token cache {r['full']:.1f} | evicted to {a['budget']}, "
-          f"not compacted {r['evicted']:.1f} | compacted {r['compacted']:.1f} | native {a['budget']} {r['native']:.1f}")
-    print(f"    compacted / native = {a['compacted_vs_native']:.2f}  (target >= 0.90); "
-          f"compacted / full = {a['compacted_vs_full']:.2f}; compaction took {a['compaction_ms']:.0f} ms")
-    print(f"(b) post-RoPE Q capture of all layers: prefill overhead {b['prefill_overhead']:+.1%}, "
-          f"decode overhead {b['decode_overhead']:+.1%}  (target <= 10%)")
+    print(
+        f"(a) decode tok/s: full {a['prompt_tokens']}-token cache {r['full']:.1f} | evicted to {a['budget']}, "
+        f"not compacted {r['evicted']:.1f} | compacted {r['compacted']:.1f} | native {a['budget']} {r['native']:.1f}"
+    )
+    print(
+        f"    compacted / native = {a['compacted_vs_native']:.2f}  (target >= 0.90); "
+        f"compacted / full = {a['compacted_vs_full']:.2f}; compaction took {a['compaction_ms']:.0f} ms"
+    )
+    print(
+        f"(b) post-RoPE Q capture of all layers: prefill overhead {b['prefill_overhead']:+.1%}, "
+        f"decode overhead {b['decode_overhead']:+.1%}  (target <= 10%)"
+    )
     print(f"    prefill tok/s plain {b['prefill_tok_s']['plain']:.0f} vs capture {b['prefill_tok_s']['capture']:.0f}; "
           f"decode {b['decode_tok_s']['plain']:.1f} vs {b['decode_tok_s']['capture']:.1f}")  # fmt: skip
 

@@ -105,3 +105,31 @@ def test_f16_cache_stays_close(tiny_paths, kv_type):
     got = np.stack([ctx.logits(i) for i in range(len(toks))])
     want = ref.forward(toks, range(len(toks)), ref.new_cache()).numpy()
     assert np.abs(got - want).max() < 2e-2
+
+
+def test_captured_kq_hidden_and_cache_views_match_reference(tiny_paths):
+    """The other capture kinds: raw q.k rows over the cells, the hidden state entering the last
+    layer, and the K cache view the attention reads."""
+    path = tiny_paths["llama"]
+    ref = ReferenceModel(path)
+    info = ref.info
+    last = info.n_layer - 1
+    cap = Capture()
+    cap.request("kq", [last])
+    cap.request("hidden", [last - 1])
+    cap.request("k_cache", [last])
+    model, ctx, cache = _engine(path, capture=cap)
+    toks = _tokens(20, 5, model.n_vocab)
+    cache.append(toks)
+    rcap: dict = {}
+    ref.forward(toks, range(20), ref.new_cache(), capture=rcap)
+
+    hidden = cap.get("hidden", last - 1)  # l_out of the layer before the last = the last layer's input
+    assert np.abs(hidden - rcap[("hidden", last)].numpy()).max() < ATOL_QK
+    (kq,) = cap.get("kq", last)  # [n_head, T, n_kv]: every cell, before scale and mask
+    (kc,) = cap.get("k_cache", last)  # [n_kv, n_head_kv, D]
+    q, k = rcap[("q", last)].numpy(), rcap[("k", last)].numpy()
+    group = info.n_head // info.n_head_kv
+    want = np.einsum("thd,nhd->htn", q, np.repeat(k, group, axis=1))
+    assert np.abs(kq[:, :, :20] - want).max() < 10 * ATOL_QK  # q.k sums D products of O(1-10) values
+    assert np.abs(kc[:20] - k).max() < ATOL_QK
