@@ -48,11 +48,38 @@ class ModelInfo:
     n_vocab: int
     rope_type: str
     rope_base: float
+    rope_dims: int  # rotated dimensions of each head
+    rope_scaling: str  # none, linear or yarn
+    rope_freq_scale: float
+    rope_n_ctx_orig: int
+    yarn_ext_factor: float
+    yarn_attn_factor: float
+    yarn_beta_fast: float
+    yarn_beta_slow: float
     n_ctx_train: int
     rms_eps: float
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _rope_scaling(meta: dict, arch: str, head_dim: int) -> dict:
+    """RoPE parameters as llama.cpp derives them from the GGUF (llama-model.cpp, llama-context.cpp)."""
+    key = f"{arch}.rope.scaling."
+    scaling = str(meta.get(key + "type", "none"))
+    factor = float(meta.get(key + "factor", 0.0) or meta.get(f"{arch}.rope.scale_linear", 0.0))
+    n_ctx_train = int(meta.get(f"{arch}.context_length", 0))
+    return dict(
+        rope_dims=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
+        rope_scaling=scaling,
+        # llama.cpp never scales when the type is none, whatever the factor says
+        rope_freq_scale=1.0 if scaling == "none" or not factor else 1.0 / factor,
+        rope_n_ctx_orig=int(meta.get(key + "original_context_length", n_ctx_train)),
+        yarn_ext_factor=float(meta.get(key + "yarn_ext_factor", 1.0 if scaling == "yarn" else 0.0)),
+        yarn_attn_factor=float(meta.get(key + "yarn_attn_factor", meta.get(key + "attn_factor", 1.0))),
+        yarn_beta_fast=float(meta.get(key + "yarn_beta_fast", 32.0)),
+        yarn_beta_slow=float(meta.get(key + "yarn_beta_slow", 1.0)),
+    )
 
 
 def read_model_info(path: str | pathlib.Path) -> ModelInfo:
@@ -88,6 +115,7 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
         n_vocab=int(meta.get("tokenizer.ggml.tokens", 0)),
         rope_type=ROPE_TYPES[arch],
         rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        **_rope_scaling(meta, arch, n_embd // n_head),
         n_ctx_train=int(meta.get(f"{arch}.context_length", 0)),
         rms_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
     )

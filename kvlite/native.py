@@ -14,12 +14,14 @@ import numpy as np
 
 from .errors import KvliteError
 
-ABI_VERSION = 2
+ABI_VERSION = 4
 _LIB_NAME = "libkvlite_native.so"
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
+MASKED = -1e30  # additive logit of a key outside the softmax: exp underflows to exactly 0, no inf - inf
+DEFAULT_POOL_CHUNK = 4096  # keys per chunk of attn_pool: bounds its memory for long prompts
 
 
 def _find_library() -> pathlib.Path:
@@ -54,8 +56,11 @@ class Native:
         lib.kvl_free.argtypes = [ctypes.c_void_p]
         lib.kvl_ggml_tensor_size.restype = ctypes.c_size_t
         lib.kvl_attn_pool.restype = ctypes.c_int
-        lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.kvl_rope.restype = ctypes.c_int
+        lib.kvl_rope.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6
+        lib.kvl_rope.argtypes += [ctypes.c_float] * 6 + [ctypes.c_void_p]
         lib.kvl_capture_new.restype = ctypes.c_void_p
         for fn in (lib.kvl_capture_free, lib.kvl_capture_clear, lib.kvl_capture_forget):
             fn.argtypes = [ctypes.c_void_p]
@@ -75,14 +80,30 @@ class Native:
     def lib(self) -> ctypes.CDLL:
         return self._lib
 
+    @property
+    def ctx(self) -> int:
+        """The native context (one ggml backend) the kernels run on."""
+        return self._ctx
+
     def ggml_tensor_size(self) -> int:
         return int(self._lib.kvl_ggml_tensor_size())
 
-    def attn_pool(self, q: np.ndarray, k: np.ndarray, scale: float | None = None) -> np.ndarray:
+    def attn_pool(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        scale: float | None = None,
+        key_mask: np.ndarray | None = None,
+        chunk: int = DEFAULT_POOL_CHUNK,
+        pool_kernel: int = 0,
+    ) -> np.ndarray:
         """EchoKV Eq. 3 per layer and KV group.
 
         q: [n_layer, n_head, n_q, head_dim] float32 (post-RoPE queries);
-        k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score).
+        k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score);
+        key_mask: bool [n_keys], False for keys outside the softmax (they score 0);
+        chunk: keys per chunk, bounding memory (0: all at once); pool_kernel: odd max-pool width
+        smoothing the pooled scores along the keys (SnapKV), 0 for none.
         Returns [n_layer, n_head_kv, n_keys]: each key's softmax probability summed over the
         queries of its group (a query head h reads KV head h // (n_head // n_head_kv)).
         """
@@ -96,14 +117,28 @@ class Native:
         k_type = {np.dtype(np.float32): GGML_TYPE_F32, np.dtype(np.float16): GGML_TYPE_F16}.get(k.dtype)
         if k_type is None:
             raise KvliteError(f"attn_pool: k must be float32 or float16, got {k.dtype}")
+        n_head_kv, n_keys = k.shape[1], k.shape[2]
+        if n_q == 0 or n_keys == 0:
+            raise KvliteError(f"attn_pool: no queries or no keys (q{q.shape} k{k.shape})")
+        if pool_kernel < 0 or (pool_kernel > 1 and pool_kernel % 2 == 0):
+            raise KvliteError(f"attn_pool: the pooling kernel must be odd, got {pool_kernel}")
+        if chunk < 0:
+            raise KvliteError(f"attn_pool: chunk must be >= 0, got {chunk}")
+        mask = None
+        if key_mask is not None:
+            key_mask = np.asarray(key_mask, dtype=bool)
+            if key_mask.shape != (n_keys,):
+                raise KvliteError(f"attn_pool: key_mask has shape {key_mask.shape}, want ({n_keys},)")
+            if not key_mask.any():
+                raise KvliteError("attn_pool: the key mask hides every key")
+            mask = np.where(key_mask, 0.0, MASKED).astype(np.float32)
         q = np.ascontiguousarray(q)
         k = np.ascontiguousarray(k)
-        n_head_kv, n_keys = k.shape[1], k.shape[2]
         out = np.empty((n_layer, n_head_kv, n_keys), np.float32)
         scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
         rc = self._lib.kvl_attn_pool(
-            self._ctx, q.ctypes.data, k.ctypes.data, k_type,
-            n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, scale, out.ctypes.data,
+            self._ctx, q.ctypes.data, k.ctypes.data, k_type, None if mask is None else mask.ctypes.data,
+            n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, scale, chunk, pool_kernel, out.ctypes.data,
         )  # fmt: skip
         if rc != 0:
             raise KvliteError(f"native attn_pool failed (status {rc}) for q{q.shape} k{k.shape}")

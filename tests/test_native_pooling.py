@@ -19,6 +19,19 @@ from kvlite.reference.scores import attn_pool
 ATOL = 1e-5
 
 
+def _inputs(n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, k_dtype, seed):
+    rng = np.random.default_rng(seed)
+    q = (3 * rng.standard_normal((n_layer, n_head, n_q, head_dim))).astype(np.float32)
+    k = (3 * rng.standard_normal((n_layer, n_head_kv, n_keys, head_dim))).astype(k_dtype)
+    return q, k
+
+
+def _twin(q, k, key_mask=None, pool_kernel=0):
+    mask = None if key_mask is None else torch.from_numpy(np.asarray(key_mask, bool))
+    qt, kt = torch.from_numpy(q).double(), torch.from_numpy(k.astype(np.float64))
+    return attn_pool(qt, kt, key_mask=mask, pool_kernel=pool_kernel).numpy()
+
+
 @pytest.mark.parametrize(
     "n_layer,n_head,n_head_kv,n_q,n_keys,head_dim,k_dtype",
     [
@@ -28,16 +41,28 @@ ATOL = 1e-5
         (2, 7, 1, 3, 33, 32, np.float16),
     ],
 )
-def test_attn_pool_matches_torch(n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, k_dtype):
-    rng = np.random.default_rng(n_keys)
-    q = (3 * rng.standard_normal((n_layer, n_head, n_q, head_dim))).astype(np.float32)
-    k = (3 * rng.standard_normal((n_layer, n_head_kv, n_keys, head_dim))).astype(k_dtype)
-    got = native().attn_pool(q, k)
-    want = attn_pool(torch.from_numpy(q).double(), torch.from_numpy(k.astype(np.float64))).numpy()
+@pytest.mark.parametrize("chunk", [0, 64, 100])  # one pass; chunk boundaries inside; 100 | 300 and 1000
+def test_attn_pool_matches_torch(n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, k_dtype, chunk):
+    q, k = _inputs(n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, k_dtype, n_keys)
+    got = native().attn_pool(q, k, chunk=chunk)
     assert got.shape == (n_layer, n_head_kv, n_keys)
-    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(got, _twin(q, k), atol=ATOL, rtol=0)
     # each group's scores sum to its number of queries
     np.testing.assert_allclose(got.sum(-1), n_q * n_head // n_head_kv, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [0, 16, 50])
+@pytest.mark.parametrize("pool_kernel", [0, 3, 7])
+def test_attn_pool_masked_cells_and_smoothing(chunk, pool_kernel):
+    q, k = _inputs(2, 9, 3, 4, 150, 32, np.float16, 7)
+    rng = np.random.default_rng(8)
+    mask = rng.random(150) > 0.4
+    mask[16:32] = False  # a whole chunk of 16 masked: its log-sum-exp must not poison the rest
+    got = native().attn_pool(q, k, key_mask=mask, chunk=chunk, pool_kernel=pool_kernel)
+    want = _twin(q, k, key_mask=mask, pool_kernel=pool_kernel)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    if pool_kernel == 0:
+        assert np.all(got[:, :, ~mask] == 0)
 
 
 def test_attn_pool_on_captured_queries_and_cached_keys(tiny_paths):
@@ -60,6 +85,12 @@ def test_attn_pool_on_captured_queries_and_cached_keys(tiny_paths):
 
 def test_attn_pool_rejects_bad_input():
     n = native()
+    with pytest.raises(KvliteError, match="odd"):
+        n.attn_pool(np.zeros((1, 2, 1, 8), np.float32), np.zeros((1, 2, 5, 8), np.float32), pool_kernel=4)
+    with pytest.raises(KvliteError, match="hides every key"):
+        n.attn_pool(np.zeros((1, 2, 1, 8), np.float32), np.zeros((1, 2, 5, 8), np.float32), key_mask=np.zeros(5))
+    with pytest.raises(KvliteError, match="key_mask"):
+        n.attn_pool(np.zeros((1, 2, 1, 8), np.float32), np.zeros((1, 2, 5, 8), np.float32), key_mask=np.ones(4))
     q = np.zeros((2, 6, 1, 16), np.float32)
     with pytest.raises(KvliteError, match="do not match"):
         n.attn_pool(q, np.zeros((2, 4, 5, 16), np.float32))  # 6 heads over 4 KV heads

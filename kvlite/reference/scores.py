@@ -5,14 +5,27 @@ from __future__ import annotations
 import torch
 
 
-def attn_pool(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def attn_pool(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
+    pool_kernel: int = 0,
+) -> torch.Tensor:
     """EchoKV Eq. 3: s[l, g, i] = sum over queries q of KV group g of softmax_i(q . k_i * scale).
 
     q: [n_layer, n_head, n_q, D]; k: [n_layer, n_head_kv, n_keys, D]; query head h belongs to
-    group h // (n_head // n_head_kv). Returns [n_layer, n_head_kv, n_keys]."""
+    group h // (n_head // n_head_kv). key_mask (bool [n_keys]): keys outside the softmax.
+    pool_kernel: SnapKV's smoothing, max_pool1d(kernel, stride 1, padding kernel // 2) over keys.
+    Returns [n_layer, n_head_kv, n_keys]."""
     n_layer, n_head, n_q, d = q.shape
-    n_head_kv = k.shape[1]
+    n_head_kv, n_keys = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
     kh = k.repeat_interleave(n_head // n_head_kv, dim=1)  # [n_layer, n_head, n_keys, D]
-    p = torch.softmax(torch.einsum("lhqd,lhnd->lhqn", q, kh) * scale, dim=-1)
-    return p.reshape(n_layer, n_head_kv, -1, k.shape[2]).sum(dim=2)
+    logits = torch.einsum("lhqd,lhnd->lhqn", q, kh) * scale
+    if key_mask is not None:
+        logits = logits.masked_fill(~key_mask, float("-inf"))
+    s = torch.softmax(logits, dim=-1).reshape(n_layer, n_head_kv, -1, n_keys).sum(dim=2)
+    if pool_kernel > 1:
+        s = torch.nn.functional.max_pool1d(s, pool_kernel, stride=1, padding=pool_kernel // 2)
+    return s

@@ -34,6 +34,7 @@ class TinySpec:
     rope_base: float = 10000.0
     seed: int = 0
     chat_template: bool = False  # a ChatML template (llama.cpp's built-in engine renders it)
+    yarn: tuple[float, int] | None = None  # YaRN context extension: (factor, original context)
 
     @property
     def n_embd(self) -> int:
@@ -78,6 +79,10 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(spec.rope_base)
+    if spec.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(spec.yarn[1])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
