@@ -28,8 +28,15 @@ def runs(positions: np.ndarray) -> list[tuple[int, int]]:
 
 
 class KVCache:
-    def __init__(self, ctx: Context):
+    def __init__(self, ctx: Context, hidden_layer: int | None = None):
+        """hidden_layer: keep the residual stream after this layer (l_out) for every resident
+        token, captured as tokens are decoded and evicted with them (counter-causal fast reads the
+        input of the last layer). The context's capture must request it."""
         self.ctx = ctx
+        self.hidden_layer = hidden_layer
+        if hidden_layer is not None and (ctx.capture is None or not ctx.capture.wants("hidden", hidden_layer)):
+            raise KvliteError(f"keeping hidden states needs a context capturing ('hidden', {hidden_layer})")
+        self.hidden: np.ndarray | None = None  # [n_resident, n_embd], rows in position order
         self.tokens: list[int] = []  # every token of the live sequence, by position
         self._live = np.zeros(0, dtype=bool)  # resident flag, by position
         self._ws_prompt = np.zeros(0, dtype=bool)  # live positions viewed by the workspace
@@ -57,6 +64,20 @@ class KVCache:
     def tokens_at(self, positions: Iterable[int]) -> list[int]:
         return [self.tokens[p] for p in positions]
 
+    def read_kv(self, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The live sequence's cached keys and values as llama.cpp holds them (state export, never
+        recomputed): positions [n] ascending, K and V [len(layers), n, n_head_kv * head_dim]."""
+        if self.workspace_active:
+            raise KvliteError("drop the workspace before reading the live cache")
+        streams = [s for s in kvstate.parse(self.ctx.state_get(LIVE)).streams if s is not None]
+        if len(streams) != 1:
+            raise KvliteError(f"expected one KV stream, found {len(streams)}")
+        st = streams[0]
+        order = np.argsort(st.pos, kind="stable")
+        k = np.stack([st.k[il][order] for il in layers])
+        v = np.stack([np.ascontiguousarray(st.v[il][order]) for il in layers])
+        return st.pos[order], k, v
+
     def llama_positions(self, seq_id: int) -> np.ndarray:
         """The positions llama.cpp itself holds for a sequence, read from its state export."""
         return kvstate.parse(self.ctx.state_get(seq_id)).positions()
@@ -83,6 +104,9 @@ class KVCache:
         start = self.n_pos
         positions = range(start, start + len(tokens))
         self.ctx.decode(tokens, positions, LIVE, logits)
+        if self.hidden_layer is not None:
+            rows = self.ctx.capture.take("hidden", self.hidden_layer)
+            self.hidden = rows if self.hidden is None else np.concatenate([self.hidden, rows])
         self.tokens.extend(int(t) for t in tokens)
         self._live = np.concatenate([self._live, np.ones(len(tokens), dtype=bool)])
         self._ws_prompt = np.concatenate([self._ws_prompt, np.zeros(len(tokens), dtype=bool)])
@@ -109,6 +133,8 @@ class KVCache:
         drop = ~keep_mask[resident]
         for lo, hi in runs(np.flatnonzero(drop)):
             self.ctx.seq_rm(LIVE, int(resident[lo]), int(resident[hi - 1]) + 1)
+        if self.hidden is not None:
+            self.hidden = self.hidden[~drop]
         self._live[gone] = False
         self.evicted += len(gone)
         return len(gone)
@@ -175,6 +201,8 @@ class KVCache:
         if len(tokens) > self.ctx.n_ctx - self._cells():
             raise KvliteError("no room in the context for the lookahead tokens")
         self.ctx.decode(tokens, range(start, start + len(tokens)), WORKSPACE, logits)
+        if self.hidden_layer is not None:
+            self.ctx.capture.take("hidden", self.hidden_layer)  # lookahead tokens never enter the live cache
         self._ws_tokens.extend(int(t) for t in tokens)
         self._note_cells()
 
@@ -192,7 +220,7 @@ class KVCache:
     # -- whole cache ----------------------------------------------------------------------------
     def reset(self) -> None:
         self.ctx.clear()
-        self.__init__(self.ctx)
+        self.__init__(self.ctx, self.hidden_layer)
 
     def truncate(self, n_pos: int) -> None:
         """Forget every position from n_pos on (undo a partly fed turn). If eviction removed the
@@ -202,6 +230,8 @@ class KVCache:
         if n_pos >= self.n_pos:
             return
         self.ctx.seq_rm(LIVE, n_pos, -1)
+        if self.hidden is not None:
+            self.hidden = self.hidden[: int(self._live[:n_pos].sum())]
         below = np.flatnonzero(self._live[:n_pos])
         end = int(below[-1]) + 1 if len(below) else 0
         self.tokens = self.tokens[:end]

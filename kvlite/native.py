@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import KvliteError
 
-ABI_VERSION = 4
+ABI_VERSION = 6
 _LIB_NAME = "libkvlite_native.so"
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -22,6 +22,19 @@ GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
 MASKED = -1e30  # additive logit of a key outside the softmax: exp underflows to exactly 0, no inf - inf
 DEFAULT_POOL_CHUNK = 4096  # keys per chunk of attn_pool: bounds its memory for long prompts
+
+
+class HParams(ctypes.Structure):
+    """Mirror of struct kvl_hparams (native/counter_causal.c)."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in ("arch", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim")]
+    _fields_ += [("n_vocab", ctypes.c_int32), ("rms_eps", ctypes.c_float)]
+    _fields_ += [(name, ctypes.c_int32) for name in ("rope_mode", "rope_dims", "rope_n_ctx_orig")]
+    _fields_ += [
+        (name, ctypes.c_float)
+        for name in ("rope_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast")
+    ]
+    _fields_ += [("yarn_beta_slow", ctypes.c_float)]
 
 
 def _find_library() -> pathlib.Path:
@@ -61,9 +74,16 @@ class Native:
         lib.kvl_rope.restype = ctypes.c_int
         lib.kvl_rope.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6
         lib.kvl_rope.argtypes += [ctypes.c_float] * 6 + [ctypes.c_void_p]
+        lib.kvl_model_load.restype = ctypes.c_void_p
+        lib.kvl_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(HParams)]
+        lib.kvl_model_free.argtypes = [ctypes.c_void_p]
+        lib.kvl_counter_causal.restype = ctypes.c_int
+        lib.kvl_counter_causal.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
+        lib.kvl_counter_causal.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.kvl_capture_new.restype = ctypes.c_void_p
         for fn in (lib.kvl_capture_free, lib.kvl_capture_clear, lib.kvl_capture_forget):
             fn.argtypes = [ctypes.c_void_p]
+        lib.kvl_capture_drop.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.kvl_capture_want.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
         lib.kvl_capture_enable.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.kvl_capture_count.argtypes = [ctypes.c_void_p]

@@ -71,6 +71,15 @@ class Capture:
     def clear(self) -> None:
         self._lib.kvl_capture_clear(self.ptr)
 
+    def take(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:
+        """get(), then forget those records (others stay)."""
+        out = self.get(kind, layer)
+        self._lib.kvl_capture_drop(self.ptr, self._wants.index((kind, layer)))
+        return out
+
+    def wants(self, kind: str, layer: int) -> bool:
+        return (kind, layer) in self._wants
+
     @property
     def data(self) -> dict[tuple[str, int], list[np.ndarray]]:
         """Everything captured since the last clear: (kind, layer) -> one array per ubatch."""

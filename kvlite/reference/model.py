@@ -119,41 +119,62 @@ class ReferenceModel:
         y = x @ w.T
         return y if b is None else y + b
 
-    def forward(self, tokens, positions, cache: RefCache, capture: dict | None = None) -> torch.Tensor:
+    def query(self, il: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre- and post-RoPE queries [T, H, D] of layer il for inputs x [T, n_embd]."""
+        info, lw = self.info, self.layers[il]
+        h = self._norm(x, lw.attn_norm)
+        q_pre = self._linear(h, lw.wq, lw.bq).view(x.shape[0], info.n_head, info.head_dim)
+        return q_pre, rope(q_pre, pos, info.rope_base, info.rope_type)
+
+    def key_value(self, il: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE keys and values [T, Hkv, D] of layer il, rounded to the cache's precision."""
+        info, lw = self.info, self.layers[il]
+        h = self._norm(x, lw.attn_norm)
+        shape = (x.shape[0], info.n_head_kv, info.head_dim)
+        k = rope(self._linear(h, lw.wk, lw.bk).view(shape), pos, info.rope_base, info.rope_type)
+        v = self._linear(h, lw.wv, lw.bv).view(shape)
+        if self.kv_dtype is not None:
+            k, v = k.to(self.kv_dtype).to(self.dtype), v.to(self.kv_dtype).to(self.dtype)
+        return k, v
+
+    def attend_and_ffn(self, il: int, x, q, keys, values, visible) -> torch.Tensor:
+        """The rest of block il: attention of queries q [T, H, D] over keys/values [N, Hkv, D]
+        where visible [T, N] allows, the residual, the feed-forward. Returns the block's output."""
+        info, lw = self.info, self.layers[il]
+        group = info.n_head // info.n_head_kv
+        kh = keys.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
+        vh = values.repeat_interleave(group, dim=1)
+        att = torch.einsum("thd,nhd->htn", q, kh) / info.head_dim**0.5
+        att = att.masked_fill(~visible[None], float("-inf")).softmax(-1)
+        o = torch.einsum("htn,nhd->thd", att, vh).reshape(x.shape[0], -1)
+        x = x + o @ lw.wo.T
+        h = self._norm(x, lw.ffn_norm)
+        return x + (torch.nn.functional.silu(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.out_norm) @ self.output.T
+
+    def forward(self, tokens, positions, cache: RefCache, capture: dict | None = None, visible=None) -> torch.Tensor:
         """Process tokens at positions on top of the cache (which grows by them). Each token
-        attends to cached entries and new tokens at positions <= its own, like llama.cpp's mask.
-        Returns logits [T, n_vocab]; if capture is a dict it receives per layer "q_pre", "q"
-        ([T, H, D]), "k" ([T, Hkv, D]) and "hidden" (the input of each layer, [T, n_embd])."""
-        info = self.info
-        H, Hkv, D = info.n_head, info.n_head_kv, info.head_dim
+        attends to cached entries and new tokens at positions <= its own, like llama.cpp's mask,
+        unless `visible` ([T, n_cached + T] bool) says otherwise. Returns logits [T, n_vocab]; if
+        capture is a dict it receives per layer "q_pre", "q" ([T, H, D]), "k" ([T, Hkv, D]) and
+        "hidden" (the input of each layer, [T, n_embd])."""
         pos = torch.as_tensor(np.asarray(list(positions)), dtype=torch.long)
         x = self.tok_embd[torch.as_tensor(np.asarray(list(tokens)), dtype=torch.long)]
-        T = x.shape[0]
         all_pos = torch.cat([cache.pos, pos])
-        visible = all_pos[None, :] <= pos[:, None]  # [T, n_cached + T]
-        for il, lw in enumerate(self.layers):
+        if visible is None:
+            visible = all_pos[None, :] <= pos[:, None]
+        for il in range(self.info.n_layer):
             if capture is not None:
                 capture[("hidden", il)] = x.clone()
-            h = self._norm(x, lw.attn_norm)
-            q_pre = self._linear(h, lw.wq, lw.bq).view(T, H, D)
-            k = rope(self._linear(h, lw.wk, lw.bk).view(T, Hkv, D), pos, info.rope_base, info.rope_type)
-            v = self._linear(h, lw.wv, lw.bv).view(T, Hkv, D)
-            q = rope(q_pre, pos, info.rope_base, info.rope_type)
-            if self.kv_dtype is not None:
-                k, v = k.to(self.kv_dtype).to(self.dtype), v.to(self.kv_dtype).to(self.dtype)
+            q_pre, q = self.query(il, x, pos)
+            k, v = self.key_value(il, x, pos)
             if capture is not None:
                 capture[("q_pre", il)], capture[("q", il)], capture[("k", il)] = q_pre, q, k
             ks = k if cache.k[il] is None else torch.cat([cache.k[il], k])
             vs = v if cache.v[il] is None else torch.cat([cache.v[il], v])
             cache.k[il], cache.v[il] = ks, vs
-            group = H // Hkv
-            kh = ks.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
-            vh = vs.repeat_interleave(group, dim=1)
-            att = torch.einsum("thd,nhd->htn", q, kh) / D**0.5
-            att = att.masked_fill(~visible[None], float("-inf")).softmax(-1)
-            o = torch.einsum("htn,nhd->thd", att, vh).reshape(T, H * D)
-            x = x + o @ lw.wo.T
-            h = self._norm(x, lw.ffn_norm)
-            x = x + (torch.nn.functional.silu(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T
+            x = self.attend_and_ffn(il, x, q, ks, vs, visible)
         cache.pos = all_pos
-        return self._norm(x, self.out_norm) @ self.output.T
+        return self.output_logits(x)

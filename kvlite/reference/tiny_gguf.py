@@ -95,7 +95,8 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     if spec.chat_template:
         w.add_chat_template(CHATML)
 
-    w.add_tensor("token_embd.weight", rng.standard_normal((n_vocab, E)).astype(np.float32))
+    # Small embeddings keep tied output heads (qwen2) from saturating every softmax.
+    w.add_tensor("token_embd.weight", (0.3 * rng.standard_normal((n_vocab, E))).astype(np.float32))
     for i in range(spec.n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm_weight())
         # Larger query/key weights give peaked attention, so eviction visibly changes the outputs.

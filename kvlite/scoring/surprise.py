@@ -1,0 +1,139 @@
+"""Counter-causal surprise ("Back from the Future", Section 3.1), computed by kvlite's native
+library on the GGUF's own weights (memory-mapped, quantized as stored) and the cached K/V.
+
+For every resident cell i: the logit of its token x_i when the model reads the cache in original
+order but each token attends only to cells of later positions. A low logit means the later context
+cannot predict x_i: surprising, keep it. `score="raw"` is the paper's logit; `"logprob"` subtracts
+the log-sum-exp over the vocabulary, which makes positions comparable (the raw logit ranked a
+stated-once answer among the first tokens evicted; notes/peers.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import numpy as np
+
+from ..errors import KvliteError
+from ..models import ModelInfo
+from ..native import GGML_TYPE_F16, GGML_TYPE_F32, HParams, native
+from .proposals import GGML_ROPE_MODE
+
+VARIANTS = ("full", "fast")
+SCORES = ("raw", "logprob")
+_ARCH_CODE = {"llama": 0, "qwen2": 1}
+
+
+def hparams(info: ModelInfo) -> HParams:
+    return HParams(
+        arch=_ARCH_CODE[info.arch], n_layer=info.n_layer, n_embd=info.n_embd, n_head=info.n_head,
+        n_head_kv=info.n_head_kv, head_dim=info.head_dim, n_vocab=info.n_vocab, rms_eps=info.rms_eps,
+        rope_mode=GGML_ROPE_MODE[info.rope_type], rope_dims=info.rope_dims, rope_n_ctx_orig=info.rope_n_ctx_orig,
+        rope_base=info.rope_base, rope_freq_scale=info.rope_freq_scale, yarn_ext_factor=info.yarn_ext_factor,
+        yarn_attn_factor=info.yarn_attn_factor, yarn_beta_fast=info.yarn_beta_fast,
+        yarn_beta_slow=info.yarn_beta_slow,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class CacheContents:
+    """What a counter-causal pass reads, in ascending position order: tokens, positions, and per
+    layer K and V rows [n, n_head_kv * head_dim] (for the layers the pass recomputes)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    k: np.ndarray  # [n_layer_used, n, n_embd_kv], float16 or float32
+    v: np.ndarray
+    hidden: np.ndarray | None = None  # [n, n_embd], the input of the first recomputed layer
+
+
+class SurpriseModel:
+    """A model's weights mapped for counter-causal passes (one per GGUF file)."""
+
+    def __init__(self, info: ModelInfo):
+        if info.arch not in _ARCH_CODE:
+            raise KvliteError(f"counter-causal scoring supports {', '.join(_ARCH_CODE)}, not '{info.arch}'")
+        self.info = info
+        self._native = native()
+        ptr = self._native.lib.kvl_model_load(info.path.encode(), hparams(info))
+        if not ptr:
+            raise KvliteError(f"kvlite's native library could not map the weights of {info.path}")
+        self.ptr = ptr
+        self._finalizer = weakref.finalize(self, self._native.lib.kvl_model_free, ptr)
+
+    def first_layer(self, variant: str) -> int:
+        if variant not in VARIANTS:
+            raise KvliteError(f"unknown counter-causal variant '{variant}': choose from {', '.join(VARIANTS)}")
+        return 0 if variant == "full" else self.info.n_layer - 1
+
+    def logits(
+        self, contents: CacheContents, variant: str = "fast", score: str = "raw", min_gap: int = 0
+    ) -> np.ndarray:
+        """The counter-causal logit (or log-probability) of x_i at every cell, ascending position
+        order. Cell i attends to the cells after it but the nearest min_gap (index distance, as
+        the reference code's min_gap). The last min_gap + 1 cells have no later context: NaN
+        (callers keep them always)."""
+        if score not in SCORES:
+            raise KvliteError(f"unknown surprise score '{score}': choose from {', '.join(SCORES)}")
+        first = self.first_layer(variant)
+        info = self.info
+        n = len(contents.tokens)
+        n_used, n_kv = info.n_layer - first, info.n_head_kv * info.head_dim
+        pos = np.asarray(contents.positions)
+        if n == 0 or pos.shape != (n,) or np.any(np.diff(pos) <= 0):
+            raise KvliteError("counter-causal pass needs cells in strictly ascending position order")
+        if min_gap < 0:
+            raise KvliteError(f"min_gap must be >= 0, got {min_gap}")
+        if n <= min_gap + 1:
+            return np.full(n, np.nan, np.float32)  # no cell has anything after it to be predicted from
+        for name, a in (("k", contents.k), ("v", contents.v)):
+            if a.shape != (n_used, n, n_kv):
+                raise KvliteError(f"counter-causal {variant}: {name} has shape {a.shape}, want {(n_used, n, n_kv)}")
+        kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.float32): GGML_TYPE_F32}.get(contents.k.dtype)
+        if kv_type is None or contents.v.dtype != contents.k.dtype:
+            raise KvliteError(f"counter-causal pass wants float16 or float32 K/V, got {contents.k.dtype}")
+        hidden = None
+        if first > 0:
+            if contents.hidden is None or contents.hidden.shape != (n, info.n_embd):
+                raise KvliteError(f"counter-causal fast needs the hidden states [{n}, {info.n_embd}] of every cell")
+            hidden = np.ascontiguousarray(contents.hidden[::-1], dtype=np.float32)
+        # The native pass takes cells in descending position order: "only later positions" is then
+        # ggml's ordinary causal mask.
+        tokens = np.ascontiguousarray(contents.tokens[::-1], dtype=np.int32)
+        positions = np.ascontiguousarray(pos[::-1], dtype=np.int32)
+        k = np.ascontiguousarray(contents.k[:, ::-1])
+        v = np.ascontiguousarray(contents.v[:, ::-1])
+        out = np.empty(n, np.float32)
+        rc = self._native.lib.kvl_counter_causal(
+            self._native.ctx, self.ptr, first, int(score == "logprob"), min_gap, n, tokens.ctypes.data,
+            positions.ctypes.data,
+            k.ctypes.data, v.ctypes.data, kv_type, None if hidden is None else hidden.ctypes.data, out.ctypes.data,
+        )  # fmt: skip
+        if rc != 0:
+            raise KvliteError(f"native counter-causal pass failed (status {rc}) over {n} cells")
+        out = out[::-1].copy()
+        out[n - 1 - min_gap :] = np.nan
+        return out
+
+
+def surprise(logits: np.ndarray) -> np.ndarray:
+    """Keep-scores from counter-causal logits: higher = more surprising = kept first; the last
+    cells, which have no future to be predicted from (NaN), get the maximum."""
+    s = -np.asarray(logits, dtype=np.float64)
+    s[np.isnan(s)] = np.inf
+    return s
+
+
+def cache_contents(cache, model: SurpriseModel, variant: str) -> CacheContents:
+    """Everything a counter-causal pass needs, read from the live cache: K/V from llama.cpp's
+    state, tokens from the token buffer, hidden states (fast) kept beside it."""
+    first = model.first_layer(variant)
+    positions, k, v = cache.read_kv(range(first, model.info.n_layer))
+    hidden = None
+    if first > 0:
+        if cache.hidden is None or cache.hidden_layer != first - 1:
+            raise KvliteError(f"counter-causal fast needs the cache to keep hidden states of layer {first - 1}")
+        hidden = cache.hidden
+    tokens = np.asarray(cache.tokens_at(positions), dtype=np.int32)
+    return CacheContents(tokens=tokens, positions=positions, k=k, v=v, hidden=hidden)

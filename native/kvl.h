@@ -1,0 +1,44 @@
+// Shared declarations of kvlite's native library (C on ggml, called from Python through ctypes).
+// Arrays are C-contiguous; shapes in comments are in numpy order (slowest dimension first),
+// ggml's ne is the reverse.
+#pragma once
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml.h"
+
+// Bumped whenever a signature or a layout changes; Python refuses a library with another value.
+#define KVL_ABI_VERSION 6
+
+enum kvl_status {
+    KVL_OK = 0,
+    KVL_BAD_SHAPE = -1,
+    KVL_BAD_TYPE = -2,
+    KVL_NO_MEMORY = -3,
+    KVL_COMPUTE_FAILED = -4,
+    KVL_BAD_MODEL = -5,
+};
+
+// One ggml backend and graph allocator, reused across calls.
+struct kvl_ctx {
+    ggml_backend_t backend;
+    ggml_gallocr_t galloc;
+};
+
+// Allocate gf's tensors, copy inputs in, compute, copy `out` back. Returns a kvl_status.
+struct kvl_input {
+    struct ggml_tensor * tensor;
+    const void * data;
+};
+int kvl_run(struct kvl_ctx * c, struct ggml_cgraph * gf, const struct kvl_input * inputs, int n_inputs,
+            struct ggml_tensor * out, void * out_data);
+
+// Row-wise maximum and log-sum-exp over dim 0.
+struct ggml_tensor * kvl_row_max(struct ggml_context * g, struct ggml_tensor * x);
+struct ggml_tensor * kvl_logsumexp(struct ggml_context * g, struct ggml_tensor * x);

@@ -1,0 +1,132 @@
+// EchoKV scores: attention pooling (Eq. 3) and RoPE proposals (Eq. 2).
+#include "kvl.h"
+
+// SnapKV-style smoothing: y[i] = max(x[i - h .. i + h]), h = kernel / 2, along dim 0, x >= 0.
+// The CPU backend only pools with stride == kernel, so pool each of the `kernel` phase-shifted
+// views of the zero-padded input (zero is neutral: scores are >= 0) and interleave the results.
+static struct ggml_tensor * kvl_max_smooth(struct ggml_context * g, struct ggml_tensor * x, int kernel) {
+    const int64_t n = x->ne[0];
+    const int h = kernel / 2;
+    const int64_t J = (n + kernel - 1) / kernel;
+    const int64_t padded = J * kernel + kernel - 1;
+    struct ggml_tensor * xp = ggml_pad_ext(g, x, h, (int) (padded - n - h), 0, 0, 0, 0, 0, 0);
+    struct ggml_tensor * y = NULL;
+    for (int o = 0; o < kernel; o++) {
+        struct ggml_tensor * v = ggml_view_4d(g, xp, J * kernel, xp->ne[1], xp->ne[2], xp->ne[3], xp->nb[1], xp->nb[2],
+                                              xp->nb[3], o * xp->nb[0]);
+        struct ggml_tensor * p = ggml_pool_1d(g, ggml_cont(g, v), GGML_OP_POOL_MAX, kernel, kernel, 0);  // [J, ...]
+        p = ggml_reshape_4d(g, p, 1, J, p->ne[1], p->ne[2]);
+        y = y ? ggml_concat(g, y, p, 0) : p;  // [o, J, ...]: memory order i = j * kernel + o
+    }
+    y = ggml_reshape_3d(g, y, J * kernel, x->ne[1], x->ne[2]);
+    return ggml_cont(g, ggml_view_3d(g, y, n, y->ne[1], y->ne[2], y->nb[1], y->nb[2], 0));
+}
+
+// Scaled, masked logits of keys [c0, c0 + len) for every query: [len, n_q, n_head, n_layer].
+static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggml_tensor * tq, struct ggml_tensor * tk,
+                                             struct ggml_tensor * tm, int c0, int len, float scale) {
+    struct ggml_tensor * kc =
+        ggml_view_4d(g, tk, tk->ne[0], len, tk->ne[2], tk->ne[3], tk->nb[1], tk->nb[2], tk->nb[3], (size_t) c0 * tk->nb[1]);
+    // f16 keys are widened first: a mixed f16 x f32 product would round the queries to f16
+    if (kc->type != GGML_TYPE_F32) kc = ggml_cast(g, kc, GGML_TYPE_F32);
+    struct ggml_tensor * x = ggml_scale(g, ggml_mul_mat(g, kc, tq), scale);  // KV head h/group serves query head h
+    return tm ? ggml_add(g, x, ggml_view_1d(g, tm, len, (size_t) c0 * sizeof(float))) : x;
+}
+
+// EchoKV Eq. 3, attention pooling: for every layer l and KV group g,
+//   out[l, g, i] = sum over queries q of group g of softmax_i(q . k_i * scale + mask_i)
+// where the softmax runs over the n_keys keys given. Query head h belongs to KV group
+// h / (n_head / n_head_kv), as in llama.cpp's grouped-query attention.
+//   q:        f32 [n_layer, n_head, n_q, head_dim]
+//   k:        f32 or f16 (k_type: 0 = f32, 1 = f16) [n_layer, n_head_kv, n_keys, head_dim]
+//   key_mask: f32 [n_keys], 0 for a key that counts, a large negative value (-1e30) for one that
+//             does not (its probability is 0); NULL: every key counts
+//   chunk:    keys per chunk (0: all at once). Memory is bounded by the chunk, not n_keys: a first
+//             pass takes each query's log-sum-exp over the chunks, a second recomputes each chunk's
+//             logits and turns them into probabilities.
+//   pool_kernel: odd width of a max-pool over keys applied to the pooled scores (0 or 1: none)
+//   out:      f32 [n_layer, n_head_kv, n_keys]
+int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_type, const float * key_mask,
+                  int n_layer, int n_head, int n_head_kv, int n_q, int n_keys, int head_dim, float scale, int chunk,
+                  int pool_kernel, float * out) {
+    if (!c || n_layer <= 0 || n_head <= 0 || n_head_kv <= 0 || n_q <= 0 || n_keys <= 0 || head_dim <= 0 ||
+        n_head % n_head_kv != 0 || chunk < 0 || pool_kernel < 0 || (pool_kernel > 1 && pool_kernel % 2 == 0)) {
+        return KVL_BAD_SHAPE;
+    }
+    if (k_type != GGML_TYPE_F32 && k_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
+    const int group = n_head / n_head_kv;
+    if (chunk == 0 || chunk > n_keys) chunk = n_keys;
+    const int n_chunk = (n_keys + chunk - 1) / chunk;
+
+    const size_t n_tensors = 64 + (size_t) n_chunk * 48 + (size_t) pool_kernel * 8;
+    struct ggml_init_params ip = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false),
+                                  NULL, true};
+    struct ggml_context * g = ggml_init(ip);
+    if (!g) return KVL_NO_MEMORY;
+
+    struct ggml_tensor * tq = ggml_new_tensor_4d(g, GGML_TYPE_F32, head_dim, n_q, n_head, n_layer);
+    struct ggml_tensor * tk = ggml_new_tensor_4d(g, (enum ggml_type) k_type, head_dim, n_keys, n_head_kv, n_layer);
+    struct ggml_tensor * tm = key_mask ? ggml_new_tensor_1d(g, GGML_TYPE_F32, n_keys) : NULL;
+    ggml_set_input(tq);
+    ggml_set_input(tk);
+    if (tm) ggml_set_input(tm);
+
+    struct ggml_tensor * lse = NULL;  // [1, n_q, n_head, n_layer]
+    if (n_chunk > 1) {
+        struct ggml_tensor * parts = NULL;
+        for (int ci = 0; ci < n_chunk; ci++) {
+            const int c0 = ci * chunk, len = c0 + chunk <= n_keys ? chunk : n_keys - c0;
+            struct ggml_tensor * l = kvl_logsumexp(g, kvl_chunk_logits(g, tq, tk, tm, c0, len, scale));
+            parts = parts ? ggml_concat(g, parts, l, 0) : l;
+        }
+        lse = kvl_logsumexp(g, parts);
+    }
+    struct ggml_tensor * s = NULL;  // [n_keys, n_head_kv, n_layer]
+    for (int ci = 0; ci < n_chunk; ci++) {
+        const int c0 = ci * chunk, len = c0 + chunk <= n_keys ? chunk : n_keys - c0;
+        struct ggml_tensor * x = kvl_chunk_logits(g, tq, tk, tm, c0, len, scale);
+        struct ggml_tensor * p = lse ? ggml_exp(g, ggml_sub(g, x, lse)) : ggml_soft_max(g, x);
+        // queries of one group are adjacent: [len, n_q * group, n_head_kv, n_layer] -> sum over them
+        p = ggml_reshape_4d(g, p, len, n_q * group, n_head_kv, n_layer);
+        p = ggml_sum_rows(g, ggml_cont(g, ggml_permute(g, p, 1, 0, 2, 3)));  // [1, len, n_head_kv, n_layer]
+        p = ggml_reshape_3d(g, p, len, n_head_kv, n_layer);
+        s = s ? ggml_concat(g, s, p, 0) : p;
+    }
+    if (pool_kernel > 1) s = kvl_max_smooth(g, s, pool_kernel);
+    ggml_set_output(s);
+
+    struct ggml_cgraph * gf = ggml_new_graph_custom(g, n_tensors, false);
+    ggml_build_forward_expand(gf, s);
+    const struct kvl_input in[] = {{tq, q}, {tk, k}, {tm, key_mask}};
+    const int rc = kvl_run(c, gf, in, 3, s, out);
+    ggml_free(g);
+    return rc;
+}
+
+// EchoKV Eq. 2, proposals: RoPE as llama.cpp applies it (ggml_rope_ext with the model's mode,
+// base, frequency scale and YaRN parameters), here to rotate pre-RoPE queries to chosen positions.
+//   x: f32 [n_tok, n_head, head_dim] (pre-RoPE); pos: i32 [n_tok]; out: f32, same shape as x.
+int kvl_rope(struct kvl_ctx * c, const float * x, const int32_t * pos, int n_tok, int n_head, int head_dim, int n_dims,
+             int mode, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor, float attn_factor,
+             float beta_fast, float beta_slow, float * out) {
+    if (!c || n_tok <= 0 || n_head <= 0 || head_dim <= 0 || n_dims <= 0 || n_dims > head_dim || n_dims % 2) {
+        return KVL_BAD_SHAPE;
+    }
+    struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
+    struct ggml_context * g = ggml_init(ip);
+    if (!g) return KVL_NO_MEMORY;
+    struct ggml_tensor * tx = ggml_new_tensor_3d(g, GGML_TYPE_F32, head_dim, n_head, n_tok);
+    struct ggml_tensor * tp = ggml_new_tensor_1d(g, GGML_TYPE_I32, n_tok);
+    ggml_set_input(tx);
+    ggml_set_input(tp);
+    struct ggml_tensor * r = ggml_rope_ext(g, tx, tp, NULL, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor,
+                                           attn_factor, beta_fast, beta_slow);
+    ggml_set_output(r);
+    struct ggml_cgraph * gf = ggml_new_graph(g);
+    ggml_build_forward_expand(gf, r);
+    const struct kvl_input in[] = {{tx, x}, {tp, pos}};
+    const int rc = kvl_run(c, gf, in, 2, r, out);
+    ggml_free(g);
+    return rc;
+}
+

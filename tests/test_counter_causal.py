@@ -1,0 +1,179 @@
+"""Counter-causal surprise: the torch twin against the definition, the native pass against the twin.
+
+Tolerances: on the tiny f32 models with an f32 cache the native pass is f32 arithmetic on the
+same inputs as a float64 twin; logits are O(1-100) (qwen2's tied embeddings are large), so
+1e-3 absolute is ~100x the summation-order noise of test_reference_parity. Keep-sets are compared
+exactly. On SmolLM2 Q4_1, llama.cpp rounds activations to Q8 before every quantized matmul and
+the twin does not (notes: ~8e-2 on post-RoPE Q), so only the keep-sets are compared, against a
+floor measured with margin."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvlite.cache import KVCache
+from kvlite.engine import Capture, Context, Model
+from kvlite.errors import KvliteError
+from kvlite.reference.counter_causal import counter_causal_logits
+from kvlite.reference.model import RefCache, ReferenceModel
+from kvlite.scoring.surprise import CacheContents, SurpriseModel, cache_contents, surprise
+from kvlite.selection import protected_positions, select_keep
+
+ATOL = 1e-3
+
+
+def _tokens(n, n_vocab, seed):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, min(n_vocab, 30000), size=n)]
+
+
+def test_twin_matches_the_definition(tiny_path):
+    """Cell by cell: token x_i alone at p_i over a cache holding only the later cells, itself
+    masked out, through every layer - a plain forward with an explicit mask."""
+    ref = ReferenceModel(tiny_path)
+    n = 12
+    toks = _tokens(n, ref.info.n_vocab, 0)
+    rc = ref.new_cache()
+    ref.forward(toks, range(n), rc)
+    k = torch.stack(rc.k)
+    v = torch.stack(rc.v)
+    twin = counter_causal_logits(ref, torch.tensor(toks), torch.arange(n), k, v)
+    for i in range(n - 1):
+        later = RefCache(ref.info.n_layer)
+        later.pos = torch.arange(i + 1, n)
+        later.k = [kl[i + 1 :] for kl in rc.k]
+        later.v = [vl[i + 1 :] for vl in rc.v]
+        visible = torch.tensor([[True] * (n - 1 - i) + [False]])  # the later cells, not itself
+        logits = ref.forward([toks[i]], [i], later, visible=visible)
+        assert abs(float(logits[0, toks[i]]) - float(twin[i])) < 1e-9
+    assert torch.isnan(twin[-1])
+
+
+def _engine_cache(path, toks, keep=None):
+    model = Model(path)
+    info = model.info
+    cap = Capture()
+    cap.request("hidden", [info.n_layer - 2])
+    ctx = Context(model, n_ctx=len(toks) + 64, n_batch=64, kv_type="f32", capture=cap)
+    cache = KVCache(ctx, hidden_layer=info.n_layer - 2)
+    cache.append(toks)
+    if keep is not None:
+        cache.evict(keep)
+    return model, cache
+
+
+def _twin_from(ref, contents: CacheContents, variant, score, min_gap=0):
+    info = ref.info
+    first = 0 if variant == "full" else info.n_layer - 1
+    shape = (info.n_layer - first, len(contents.tokens), info.n_head_kv, info.head_dim)
+    k = torch.from_numpy(contents.k.astype(np.float64)).reshape(shape).to(ref.dtype)
+    v = torch.from_numpy(contents.v.astype(np.float64)).reshape(shape).to(ref.dtype)
+    hidden = None if contents.hidden is None else torch.from_numpy(contents.hidden).to(ref.dtype)
+    return counter_causal_logits(
+        ref, torch.from_numpy(contents.tokens.astype(np.int64)), torch.from_numpy(contents.positions.astype(np.int64)),
+        k, v, first, hidden, score, min_gap,
+    ).numpy()  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["full", "fast"])
+@pytest.mark.parametrize("score", ["raw", "logprob"])
+@pytest.mark.parametrize("holes", [False, True])
+def test_native_matches_twin_on_tiny_models(tiny_path, variant, score, holes):
+    ref = ReferenceModel(tiny_path)
+    n = 80
+    toks = _tokens(n, ref.info.n_vocab, 1)
+    keep = sorted({0, 1, 2, n - 1} | set(range(10, 30)) | set(range(40, n, 3))) if holes else None
+    model, cache = _engine_cache(tiny_path, toks, keep)
+    cc = SurpriseModel(model.info)
+    contents = cache_contents(cache, cc, variant)
+    got = cc.logits(contents, variant, score)
+    want = _twin_from(ref, contents, variant, score)
+    assert np.isnan(got[-1]) and np.isnan(want[-1])
+    err = np.abs(got[:-1] - want[:-1]).max()
+    print(f"{model.info.arch} {variant} {score} holes={holes}: max err {err:.2e}")
+    assert err < ATOL
+    positions = contents.positions
+    budget = len(positions) // 2
+    prot = protected_positions(positions, 4)
+    assert np.array_equal(
+        select_keep(positions, surprise(got), budget, prot), select_keep(positions, surprise(want), budget, prot)
+    )
+
+
+@pytest.mark.parametrize("variant", ["full", "fast"])
+def test_min_gap_skips_the_nearest_cells(tiny_paths, variant):
+    path = tiny_paths["qwen2"]
+    ref = ReferenceModel(path)
+    model, cache = _engine_cache(path, _tokens(50, ref.info.n_vocab, 4))
+    cc = SurpriseModel(model.info)
+    contents = cache_contents(cache, cc, variant)
+    got = cc.logits(contents, variant, "raw", min_gap=3)
+    want = _twin_from(ref, contents, variant, "raw", min_gap=3)
+    assert np.all(np.isnan(got[-4:])) and not np.any(np.isnan(got[:-4]))
+    assert np.abs(got[:-4] - want[:-4]).max() < ATOL
+    assert np.abs(got[:-4] - cc.logits(contents, variant, "raw")[:-4]).max() > 100 * ATOL  # the gap matters
+    assert np.all(np.isinf(surprise(got)[-4:]))
+
+
+def test_fast_reads_the_hidden_states_the_cache_kept(tiny_paths):
+    """The hidden states kept beside the token buffer are the reference's input of the last layer,
+    and they leave with their tokens."""
+    path = tiny_paths["llama"]
+    ref = ReferenceModel(path)
+    toks = _tokens(40, ref.info.n_vocab, 2)
+    keep = [0, 1, 2, 3] + list(range(20, 40))
+    model, cache = _engine_cache(path, toks, keep)
+    rcap: dict = {}
+    ref.forward(toks, range(40), ref.new_cache(), capture=rcap)
+    want = rcap[("hidden", ref.info.n_layer - 1)].numpy()[keep]
+    assert cache.hidden.shape == (len(keep), ref.info.n_embd)
+    assert np.abs(cache.hidden - want).max() < 1e-4
+
+
+def test_bad_inputs(tiny_paths):
+    model, cache = _engine_cache(tiny_paths["llama"], _tokens(20, 300, 3))
+    cc = SurpriseModel(model.info)
+    c = cache_contents(cache, cc, "fast")
+    with pytest.raises(KvliteError, match="ascending"):
+        cc.logits(CacheContents(c.tokens, c.positions[::-1].copy(), c.k, c.v, c.hidden), "fast")
+    with pytest.raises(KvliteError, match="shape"):
+        cc.logits(CacheContents(c.tokens, c.positions, c.k[:, :5], c.v, c.hidden), "fast")
+    with pytest.raises(KvliteError, match="hidden"):
+        cc.logits(CacheContents(c.tokens, c.positions, c.k, c.v, None), "fast")
+    with pytest.raises(KvliteError, match="variant"):
+        cc.logits(c, "medium")
+    with pytest.raises(KvliteError, match="surprise score"):
+        cc.logits(c, "fast", "prob")
+    plain = KVCache(Context(model, n_ctx=64))
+    plain.append([5, 6, 7])
+    with pytest.raises(KvliteError, match="hidden states"):
+        cache_contents(plain, cc, "fast")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["fast", "full"])
+def test_keep_set_overlap_on_smollm2(smol_path, variant):
+    model = Model(smol_path)
+    ref = ReferenceModel(smol_path, dtype=torch.float32)
+    toks = model.tokenize(
+        "The locker code of Orla Bren is 54554. The weather was mild and the market busy, as it is "
+        "every Thursday, when farmers bring apples, pears and cheese from the valley. " * 3
+    )
+    info = model.info
+    cap = Capture()
+    cap.request("hidden", [info.n_layer - 2])
+    cache = KVCache(Context(model, n_ctx=len(toks) + 64, capture=cap), hidden_layer=info.n_layer - 2)
+    cache.append(toks)
+    cc = SurpriseModel(info)
+    contents = cache_contents(cache, cc, variant)
+    got = cc.logits(contents, variant, "raw")
+    want = _twin_from(ref, contents, variant, "raw")
+    positions = contents.positions
+    budget = len(positions) // 4
+    prot = protected_positions(positions, 4)
+    a = set(select_keep(positions, surprise(got), budget, prot).tolist())
+    b = set(select_keep(positions, surprise(want), budget, prot).tolist())
+    overlap = len(a & b) / budget
+    print(f"SmolLM2 {variant}: keep-set overlap {overlap:.2f} at budget {budget} of {len(positions)}")
+    assert overlap >= 0.8
