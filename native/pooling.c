@@ -22,11 +22,11 @@ static struct ggml_tensor * kvl_max_smooth(struct ggml_context * g, struct ggml_
     return ggml_cont(g, ggml_view_3d(g, y, n, y->ne[1], y->ne[2], y->nb[1], y->nb[2], 0));
 }
 
-// Scaled, masked logits of keys [c0, c0 + len) for every query: [len, n_q, n_head, n_layer].
+// Scaled, masked logits of keys [c0, c0 + len) for every query: [len, n_q, n_head].
 static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggml_tensor * tq, struct ggml_tensor * tk,
                                              struct ggml_tensor * tm, int c0, int len, float scale) {
     struct ggml_tensor * kc =
-        ggml_view_4d(g, tk, tk->ne[0], len, tk->ne[2], tk->ne[3], tk->nb[1], tk->nb[2], tk->nb[3], (size_t) c0 * tk->nb[1]);
+        ggml_view_3d(g, tk, tk->ne[0], len, tk->ne[2], tk->nb[1], tk->nb[2], (size_t) c0 * tk->nb[1]);
     // f16 keys are widened first: a mixed f16 x f32 product would round the queries to f16
     if (kc->type != GGML_TYPE_F32) kc = ggml_cast(g, kc, GGML_TYPE_F32);
     struct ggml_tensor * x = ggml_scale(g, ggml_mul_mat(g, kc, tq), scale);  // KV head h/group serves query head h
@@ -41,11 +41,12 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
 //   k:        f32 or f16 (k_type: 0 = f32, 1 = f16) [n_layer, n_head_kv, n_keys, head_dim]
 //   key_mask: f32 [n_keys], 0 for a key that counts, a large negative value (-1e30) for one that
 //             does not (its probability is 0); NULL: every key counts
-//   chunk:    keys per chunk (0: all at once). Memory is bounded by the chunk, not n_keys: a first
-//             pass takes each query's log-sum-exp over the chunks, a second recomputes each chunk's
-//             logits and turns them into probabilities.
+//   chunk:    keys per chunk; 0: as many as keep one chunk's logits near 64 MB. With more than
+//             one chunk a first pass takes each query's log-sum-exp over the chunks and a second
+//             recomputes each chunk's logits and turns them into probabilities.
 //   pool_kernel: odd width of a max-pool over keys applied to the pooled scores (0 or 1: none)
 //   out:      f32 [n_layer, n_head_kv, n_keys]
+// One graph per layer, so memory follows one layer's chunk, not the whole model.
 int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_type, const float * key_mask,
                   int n_layer, int n_head, int n_head_kv, int n_q, int n_keys, int head_dim, float scale, int chunk,
                   int pool_kernel, float * out) {
@@ -55,52 +56,65 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
     }
     if (k_type != GGML_TYPE_F32 && k_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
     const int group = n_head / n_head_kv;
-    if (chunk == 0 || chunk > n_keys) chunk = n_keys;
+    if (chunk == 0) {
+        const size_t fit = (64u << 20) / (4u * (size_t) n_q * (size_t) n_head);
+        chunk = fit < 1 ? 1 : (int) (fit < (size_t) n_keys ? fit : (size_t) n_keys);
+    }
+    if (chunk > n_keys) chunk = n_keys;
     const int n_chunk = (n_keys + chunk - 1) / chunk;
+    const size_t q_layer = (size_t) n_head * n_q * head_dim;
+    const size_t k_layer = (size_t) n_head_kv * n_keys * head_dim * (k_type == GGML_TYPE_F32 ? 4 : 2);
+    const size_t n_tensors = 64 + (size_t) n_chunk * (48 + 2 * (size_t) n_q * group) + (size_t) pool_kernel * 8;
 
-    const size_t n_tensors = 64 + (size_t) n_chunk * 48 + (size_t) pool_kernel * 8;
-    struct ggml_init_params ip = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false),
-                                  NULL, true};
-    struct ggml_context * g = ggml_init(ip);
-    if (!g) return KVL_NO_MEMORY;
+    for (int il = 0; il < n_layer; il++) {
+        struct ggml_init_params ip = {ggml_tensor_overhead() * n_tensors + ggml_graph_overhead_custom(n_tensors, false),
+                                      NULL, true};
+        struct ggml_context * g = ggml_init(ip);
+        if (!g) return KVL_NO_MEMORY;
+        struct ggml_tensor * tq = ggml_new_tensor_3d(g, GGML_TYPE_F32, head_dim, n_q, n_head);
+        struct ggml_tensor * tk = ggml_new_tensor_3d(g, (enum ggml_type) k_type, head_dim, n_keys, n_head_kv);
+        struct ggml_tensor * tm = key_mask ? ggml_new_tensor_1d(g, GGML_TYPE_F32, n_keys) : NULL;
+        ggml_set_input(tq);
+        ggml_set_input(tk);
+        if (tm) ggml_set_input(tm);
 
-    struct ggml_tensor * tq = ggml_new_tensor_4d(g, GGML_TYPE_F32, head_dim, n_q, n_head, n_layer);
-    struct ggml_tensor * tk = ggml_new_tensor_4d(g, (enum ggml_type) k_type, head_dim, n_keys, n_head_kv, n_layer);
-    struct ggml_tensor * tm = key_mask ? ggml_new_tensor_1d(g, GGML_TYPE_F32, n_keys) : NULL;
-    ggml_set_input(tq);
-    ggml_set_input(tk);
-    if (tm) ggml_set_input(tm);
-
-    struct ggml_tensor * lse = NULL;  // [1, n_q, n_head, n_layer]
-    if (n_chunk > 1) {
-        struct ggml_tensor * parts = NULL;
+        struct ggml_tensor * lse = NULL;  // [1, n_q, n_head]
+        if (n_chunk > 1) {
+            struct ggml_tensor * parts = NULL;
+            for (int ci = 0; ci < n_chunk; ci++) {
+                const int c0 = ci * chunk, len = c0 + chunk <= n_keys ? chunk : n_keys - c0;
+                struct ggml_tensor * l = kvl_logsumexp(g, kvl_chunk_logits(g, tq, tk, tm, c0, len, scale));
+                parts = parts ? ggml_concat(g, parts, l, 0) : l;
+            }
+            lse = kvl_logsumexp(g, parts);
+        }
+        struct ggml_tensor * s = NULL;  // [n_keys, n_head_kv]
         for (int ci = 0; ci < n_chunk; ci++) {
             const int c0 = ci * chunk, len = c0 + chunk <= n_keys ? chunk : n_keys - c0;
-            struct ggml_tensor * l = kvl_logsumexp(g, kvl_chunk_logits(g, tq, tk, tm, c0, len, scale));
-            parts = parts ? ggml_concat(g, parts, l, 0) : l;
+            struct ggml_tensor * x = kvl_chunk_logits(g, tq, tk, tm, c0, len, scale);
+            struct ggml_tensor * p = lse ? ggml_exp(g, ggml_sub(g, x, lse)) : ggml_soft_max(g, x);
+            // queries of one group are adjacent: [len, n_q * group, n_head_kv]. Sum them with
+            // streaming adds of contiguous rows (a transpose and sum_rows is several times slower).
+            p = ggml_reshape_3d(g, p, len, n_q * group, n_head_kv);
+            struct ggml_tensor * acc = NULL;
+            for (int r = 0; r < n_q * group; r++) {
+                struct ggml_tensor * row = ggml_view_2d(g, p, len, n_head_kv, p->nb[2], (size_t) r * p->nb[1]);
+                acc = acc ? ggml_add(g, acc, row) : ggml_cont(g, row);
+            }
+            s = s ? ggml_concat(g, s, acc, 0) : acc;
         }
-        lse = kvl_logsumexp(g, parts);
-    }
-    struct ggml_tensor * s = NULL;  // [n_keys, n_head_kv, n_layer]
-    for (int ci = 0; ci < n_chunk; ci++) {
-        const int c0 = ci * chunk, len = c0 + chunk <= n_keys ? chunk : n_keys - c0;
-        struct ggml_tensor * x = kvl_chunk_logits(g, tq, tk, tm, c0, len, scale);
-        struct ggml_tensor * p = lse ? ggml_exp(g, ggml_sub(g, x, lse)) : ggml_soft_max(g, x);
-        // queries of one group are adjacent: [len, n_q * group, n_head_kv, n_layer] -> sum over them
-        p = ggml_reshape_4d(g, p, len, n_q * group, n_head_kv, n_layer);
-        p = ggml_sum_rows(g, ggml_cont(g, ggml_permute(g, p, 1, 0, 2, 3)));  // [1, len, n_head_kv, n_layer]
-        p = ggml_reshape_3d(g, p, len, n_head_kv, n_layer);
-        s = s ? ggml_concat(g, s, p, 0) : p;
-    }
-    if (pool_kernel > 1) s = kvl_max_smooth(g, s, pool_kernel);
-    ggml_set_output(s);
+        if (pool_kernel > 1) s = kvl_max_smooth(g, s, pool_kernel);
+        ggml_set_output(s);
 
-    struct ggml_cgraph * gf = ggml_new_graph_custom(g, n_tensors, false);
-    ggml_build_forward_expand(gf, s);
-    const struct kvl_input in[] = {{tq, q}, {tk, k}, {tm, key_mask}};
-    const int rc = kvl_run(c, gf, in, 3, s, out);
-    ggml_free(g);
-    return rc;
+        struct ggml_cgraph * gf = ggml_new_graph_custom(g, n_tensors, false);
+        ggml_build_forward_expand(gf, s);
+        const struct kvl_input in[] = {
+            {tq, q + il * q_layer}, {tk, (const char *) k + il * k_layer}, {tm, key_mask}};
+        const int rc = kvl_run(c, gf, in, 3, s, out + (size_t) il * n_head_kv * n_keys);
+        ggml_free(g);
+        if (rc != KVL_OK) return rc;
+    }
+    return KVL_OK;
 }
 
 // EchoKV Eq. 2, proposals: RoPE as llama.cpp applies it (ggml_rope_ext with the model's mode,

@@ -1,0 +1,150 @@
+"""Scoring benchmarks on SmolLM2 shapes, ratios measured in one run.
+
+(a) Attention pooling (EchoKV Eq. 3) of T=8 queries over 1K / 4K / 16K keys, all layers:
+    native (ggml) vs torch vs numpy. Target: native >= 3x torch.
+(b) Counter-causal refresh latency on a real SmolLM2 cache, full vs fast, at n=512 and n=4096
+    (target fast >= 10x full), and the fast refresh with the gathered raw logit vs with a
+    full-vocabulary projection (the log-probability score; target >= 3x).
+(c) EchoKV's scoring passes (proposal rotation, bootstrap, repair, final pooling) as a fraction
+    of the prefill of the same 8K prompt. Target <= 5%.
+
+usage: python scripts/bench_scoring.py [--repeat 3] [--skip-cc] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kvlite.cache import KVCache
+from kvlite.engine import Capture, Context, Model
+from kvlite.models import default_model_path
+from kvlite.native import native
+from kvlite.reference.scores import attn_pool as torch_pool
+from kvlite.scoring.proposals import proposals
+from kvlite.scoring.surprise import CacheContents, SurpriseModel, cache_contents
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of `repeat` calls (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def numpy_pool(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    group = q.shape[1] // k.shape[1]
+    kh = np.repeat(k.astype(np.float32), group, axis=1)
+    x = np.einsum("lhqd,lhnd->lhqn", q, kh) / np.sqrt(q.shape[-1])
+    x = np.exp(x - x.max(-1, keepdims=True))
+    x /= x.sum(-1, keepdims=True)
+    return x.reshape(q.shape[0], k.shape[1], -1, k.shape[2]).sum(2)
+
+
+def bench_pooling(info, repeat: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for n_keys in (1024, 4096, 16384):
+        q = rng.standard_normal((info.n_layer, info.n_head, 8, info.head_dim)).astype(np.float32)
+        k = rng.standard_normal((info.n_layer, info.n_head_kv, n_keys, info.head_dim)).astype(np.float16)
+        qt, kt = torch.from_numpy(q), torch.from_numpy(k)
+        t_native = timed(lambda: native().attn_pool(q, k), repeat)  # noqa: B023
+        t_torch = timed(lambda: torch_pool(qt, kt.float()), repeat)  # noqa: B023
+        t_numpy = timed(lambda: numpy_pool(q, k), repeat)  # noqa: B023
+        rows.append(dict(keys=n_keys, native_ms=1e3 * t_native, torch_ms=1e3 * t_torch, numpy_ms=1e3 * t_numpy,
+                         torch_over_native=t_torch / t_native, numpy_over_native=t_numpy / t_native))  # fmt: skip
+        print(f"(a) {n_keys:6d} keys: native {1e3 * t_native:7.1f} ms | torch {1e3 * t_torch:7.1f} ms "
+              f"({t_torch / t_native:.1f}x) | numpy {1e3 * t_numpy:7.1f} ms ({t_numpy / t_native:.1f}x)", flush=True)  # fmt: skip
+    return rows
+
+
+def prefill_cache(model: Model, n: int) -> tuple[KVCache, float]:
+    info = model.info
+    cap = Capture()
+    cap.request("hidden", [info.n_layer - 2])
+    cap.request("q_pre", range(info.n_layer))
+    cache = KVCache(Context(model, n_ctx=n + 64, n_batch=512, capture=cap), hidden_layer=info.n_layer - 2)
+    rng = np.random.default_rng(1)
+    t0 = time.perf_counter()
+    cache.append([int(t) for t in rng.integers(100, 30000, size=n)])
+    return cache, time.perf_counter() - t0
+
+
+def tail(c: CacheContents, n: int) -> CacheContents:
+    h = None if c.hidden is None else c.hidden[-n:]
+    return CacheContents(c.tokens[-n:], c.positions[-n:], c.k[:, -n:], c.v[:, -n:], h)
+
+
+def bench_counter_causal(model: Model, cache: KVCache, repeat: int) -> list[dict]:
+    cc = SurpriseModel(model.info)
+    full = cache_contents(cache, cc, "full")
+    fast = cache_contents(cache, cc, "fast")
+    rows = []
+    for n in (512, 4096):
+        cf, cq = tail(full, n), tail(fast, n)
+        t_full = timed(lambda: cc.logits(cf, "full", "raw"), max(1, repeat // 2))  # noqa: B023
+        t_fast = timed(lambda: cc.logits(cq, "fast", "raw"), repeat)  # noqa: B023
+        t_fast_vocab = timed(lambda: cc.logits(cq, "fast", "logprob"), repeat)  # noqa: B023
+        rows.append(dict(n=n, full_ms=1e3 * t_full, fast_ms=1e3 * t_fast, fast_vocab_ms=1e3 * t_fast_vocab,
+                         full_over_fast=t_full / t_fast, vocab_over_gather=t_fast_vocab / t_fast))  # fmt: skip
+        print(f"(b) n={n:5d}: full {1e3 * t_full:8.1f} ms | fast {1e3 * t_fast:7.1f} ms ({t_full / t_fast:.1f}x) | "
+              f"fast with full-vocabulary projection {1e3 * t_fast_vocab:7.1f} ms "
+              f"(gather is {t_fast_vocab / t_fast:.1f}x faster)", flush=True)  # fmt: skip
+    return rows
+
+
+def bench_echokv_passes(model: Model, cache: KVCache, prefill_s: float, repeat: int) -> dict:
+    """The scoring EchoKV adds to a prefill (Algorithm 1 with S=1, T=8, B1=1024): rotate the last
+    query to T positions, pool the T proposals over the prompt (bootstrap), pool round 1's T/2
+    queries (repair), pool all T decode queries (final). The lookahead decodes are not scoring."""
+    info = model.info
+    t_len = 8
+    positions, k, _ = cache.read_kv(range(info.n_layer))
+    keys = np.ascontiguousarray(k.reshape(info.n_layer, len(positions), info.n_head_kv, info.head_dim).transpose(0, 2, 1, 3))
+    anchors = np.stack([cache.ctx.capture.get("q_pre", il)[-1:] for il in range(info.n_layer)])
+    n = len(positions)
+    rng = np.random.default_rng(2)
+    decode_q = rng.standard_normal((info.n_layer, info.n_head, t_len, info.head_dim)).astype(np.float32)
+
+    def passes():
+        props = proposals(info, anchors, range(n, n + t_len))
+        native().attn_pool(props, keys)  # bootstrap: W1 from the proposals
+        native().attn_pool(np.ascontiguousarray(decode_q[:, :, : t_len // 2]), keys)  # repair with Q1
+        native().attn_pool(decode_q, keys)  # final with [Q1; Q2]
+
+    t = timed(passes, repeat)
+    print(f"(c) EchoKV scoring passes over {n} prompt tokens: {1e3 * t:.0f} ms = {100 * t / prefill_s:.2f}% "
+          f"of its {prefill_s:.1f} s prefill (target <= 5%)", flush=True)  # fmt: skip
+    return dict(prompt=n, passes_ms=1e3 * t, prefill_s=prefill_s, fraction=t / prefill_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=8192, help="prompt tokens for (b) and (c)")
+    ap.add_argument("--skip-cc", action="store_true", help="only (a)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = Model(default_model_path())
+    out = {"pooling": bench_pooling(model.info, args.repeat)}
+    if not args.skip_cc:
+        print(f"prefilling {args.prompt} tokens for (b) and (c) ...", flush=True)
+        cache, prefill_s = prefill_cache(model, args.prompt)
+        out["counter_causal"] = bench_counter_causal(model, cache, args.repeat)
+        out["echokv"] = bench_echokv_passes(model, cache, prefill_s, args.repeat)
+    if args.json:
+        print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
