@@ -7,6 +7,8 @@
     full-vocabulary projection (the log-probability score; target >= 3x).
 (c) EchoKV's scoring passes (proposal rotation, bootstrap, repair, final pooling) as a fraction
     of the prefill of the same 8K prompt. Target <= 5%.
+(d) Raw vs normalized surprise on a stated-once 5-digit code in ~1.5K tokens of prose: where the
+    code's tokens rank in keep order (0 = kept first, 1 = evicted first) under each score.
 
 usage: python scripts/bench_scoring.py [--repeat 3] [--skip-cc] [--json]
 """
@@ -62,8 +64,11 @@ def bench_pooling(info, repeat: int) -> list[dict]:
         t_numpy = timed(lambda: numpy_pool(q, k), repeat)  # noqa: B023
         rows.append(dict(keys=n_keys, native_ms=1e3 * t_native, torch_ms=1e3 * t_torch, numpy_ms=1e3 * t_numpy,
                          torch_over_native=t_torch / t_native, numpy_over_native=t_numpy / t_native))  # fmt: skip
-        print(f"(a) {n_keys:6d} keys: native {1e3 * t_native:7.1f} ms | torch {1e3 * t_torch:7.1f} ms "
-              f"({t_torch / t_native:.1f}x) | numpy {1e3 * t_numpy:7.1f} ms ({t_numpy / t_native:.1f}x)", flush=True)  # fmt: skip
+        print(
+            f"(a) {n_keys:6d} keys: native {1e3 * t_native:7.1f} ms | torch {1e3 * t_torch:7.1f} ms "
+            f"({t_torch / t_native:.1f}x) | numpy {1e3 * t_numpy:7.1f} ms ({t_numpy / t_native:.1f}x)",
+            flush=True,
+        )
     return rows
 
 
@@ -109,7 +114,9 @@ def bench_echokv_passes(model: Model, cache: KVCache, prefill_s: float, repeat: 
     info = model.info
     t_len = 8
     positions, k, _ = cache.read_kv(range(info.n_layer))
-    keys = np.ascontiguousarray(k.reshape(info.n_layer, len(positions), info.n_head_kv, info.head_dim).transpose(0, 2, 1, 3))
+    keys = np.ascontiguousarray(
+        k.reshape(info.n_layer, len(positions), info.n_head_kv, info.head_dim).transpose(0, 2, 1, 3)
+    )
     anchors = np.stack([cache.ctx.capture.get("q_pre", il)[-1:] for il in range(info.n_layer)])
     n = len(positions)
     rng = np.random.default_rng(2)
@@ -127,6 +134,57 @@ def bench_echokv_passes(model: Model, cache: KVCache, prefill_s: float, repeat: 
     return dict(prompt=n, passes_ms=1e3 * t, prefill_s=prefill_s, fraction=t / prefill_s)
 
 
+def haystack(n_paragraphs: int) -> list[str]:
+    """Paragraphs of prose from the standard library's docstrings (deterministic, offline)."""
+    import argparse as a
+    import collections as c
+    import json as j
+    import logging as lg
+    import pathlib as pl
+    import subprocess as sp
+    import textwrap as tw
+
+    paras = []
+    for mod in (a, c, j, lg, pl, sp, tw):
+        for obj in [mod, *[getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]]:
+            for p in (getattr(obj, "__doc__", None) or "").split("\n\n"):
+                p = " ".join(p.split())
+                if len(p) > 200 and sum(ch.isalpha() for ch in p) > 0.75 * len(p):
+                    paras.append(p)
+    return list(dict.fromkeys(paras))[:n_paragraphs]
+
+
+def bench_needle_ranks(model: Model) -> list[dict]:
+    info = model.info
+    paras = haystack(14)
+    needle = "The locker code of Orla Bren is 54554."
+    paras.insert(len(paras) * 3 // 10, needle)
+    text = "\n\n".join(paras) + "\n\nWhat is the locker code of Orla Bren?"
+    tokens = model.tokenize(text)
+    cap = Capture()
+    cap.request("hidden", [info.n_layer - 2])
+    cache = KVCache(Context(model, n_ctx=len(tokens) + 64, capture=cap), hidden_layer=info.n_layer - 2)
+    cache.append(tokens)
+    code = model.tokenize(" 54554.", add_special=False)[:-1]
+    start = next(i for i in range(len(tokens)) if tokens[i : i + len(code)] == code)
+    code_pos = np.arange(start, start + len(code))
+    cc = SurpriseModel(info)
+    rows = []
+    for variant in ("fast", "full"):
+        contents = cache_contents(cache, cc, variant)
+        for score in ("raw", "logprob"):
+            keep_score = -cc.logits(contents, variant, score)[:-1]  # the last token is always kept
+            order = np.argsort(-keep_score, kind="stable")  # kept first
+            rank = np.empty(len(order))
+            rank[order] = np.arange(len(order)) / len(order)
+            r = rank[code_pos]
+            survives = int((r * len(order) < 128 - 5).sum())  # budget 128 minus 4 sinks and the last token
+            rows.append(dict(variant=variant, score=score, code_ranks=r.round(3).tolist(), survive_at_128=survives))
+            print(f"(d) {variant:4s} {score:7s}: code tokens rank {np.round(r, 2).tolist()} of {len(order)} "
+                  f"(0 = kept first); {survives}/{len(code)} kept at budget 128", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -142,6 +200,7 @@ def main() -> None:
         cache, prefill_s = prefill_cache(model, args.prompt)
         out["counter_causal"] = bench_counter_causal(model, cache, args.repeat)
         out["echokv"] = bench_echokv_passes(model, cache, prefill_s, args.repeat)
+        out["needle_ranks"] = bench_needle_ranks(model)
     if args.json:
         print(json.dumps(out, indent=1))
 

@@ -177,3 +177,13 @@ def test_keep_set_overlap_on_smollm2(smol_path, variant):
     overlap = len(a & b) / budget
     print(f"SmolLM2 {variant}: keep-set overlap {overlap:.2f} at budget {budget} of {len(positions)}")
     assert overlap >= 0.8
+
+
+def test_unsupported_architecture_is_refused(tiny_paths):
+    import dataclasses
+
+    from kvlite.models import read_model_info
+
+    info = dataclasses.replace(read_model_info(tiny_paths["llama"]), arch="gemma3")
+    with pytest.raises(KvliteError, match="supports llama, qwen2"):
+        SurpriseModel(info)

@@ -115,6 +115,14 @@ def test_missing_or_foreign_library_is_a_clear_error(tmp_path):
         Native(path=foreign)
 
 
+def test_stale_library_is_refused(monkeypatch):
+    import kvlite.native as kn
+
+    monkeypatch.setattr(kn, "ABI_VERSION", kn.ABI_VERSION + 1)  # this kvlite expects a newer library
+    with pytest.raises(KvliteError, match="stale"):
+        Native()
+
+
 def test_ctypes_tensor_mirror_matches_the_headers():
     import ctypes
 
