@@ -29,7 +29,11 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
         ggml_view_3d(g, tk, tk->ne[0], len, tk->ne[2], tk->nb[1], tk->nb[2], (size_t) c0 * tk->nb[1]);
     // f16 keys are widened first: a mixed f16 x f32 product would round the queries to f16
     if (kc->type != GGML_TYPE_F32) kc = ggml_cast(g, kc, GGML_TYPE_F32);
-    struct ggml_tensor * x = ggml_scale(g, ggml_mul_mat(g, kc, tq), scale);  // KV head h/group serves query head h
+    // The queries of a KV group are adjacent heads: as [D, n_q * group, n_head_kv] each cached head
+    // is read once for all of them (a broadcast product reads it once per query head). The result
+    // has the same memory layout as [len, n_q, n_head].
+    struct ggml_tensor * qg = ggml_reshape_3d(g, tq, tq->ne[0], tq->ne[1] * (tq->ne[2] / kc->ne[2]), kc->ne[2]);
+    struct ggml_tensor * x = ggml_scale(g, ggml_mul_mat(g, kc, qg), scale);
     return tm ? ggml_add(g, x, ggml_view_1d(g, tm, len, (size_t) c0 * sizeof(float))) : x;
 }
 
