@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import KvliteError
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 _LIB_NAME = "libkvlite_native.so"
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -78,7 +78,7 @@ class Native:
         lib.kvl_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(HParams)]
         lib.kvl_model_free.argtypes = [ctypes.c_void_p]
         lib.kvl_counter_causal.restype = ctypes.c_int
-        lib.kvl_counter_causal.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
+        lib.kvl_counter_causal.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5
         lib.kvl_counter_causal.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.kvl_capture_new.restype = ctypes.c_void_p
         for fn in (lib.kvl_capture_free, lib.kvl_capture_clear, lib.kvl_capture_forget):

@@ -120,21 +120,24 @@ fail:
 // Returns [D * H, n].
 static struct ggml_tensor * kvl_cc_attention(struct ggml_context * g, const struct kvl_hparams * hp,
                                              struct ggml_tensor * q, struct ggml_tensor * k, struct ggml_tensor * v,
-                                             int n, int gap) {
+                                             int n, int gap, int block) {
     const int D = hp->head_dim, H = hp->n_head;
     struct ggml_tensor * kp = ggml_permute(g, k, 0, 2, 1, 3);               // [D, n, Hkv]
     struct ggml_tensor * vt = ggml_cont(g, ggml_permute(g, v, 1, 2, 0, 3));  // [n, D, Hkv]
     struct ggml_tensor * qp = ggml_permute(g, q, 0, 2, 1, 3);               // [D, n, H]
-    const int block = kvl_cc_block(n, H);
     struct ggml_tensor * out = NULL;
     const int rows = n - 1 - gap;
     for (int r0 = 0; r0 < rows; r0 += block) {
         const int len = r0 + block <= rows ? block : rows - r0;
         struct ggml_tensor * qb =
             ggml_view_3d(g, qp, D, len, H, qp->nb[1], qp->nb[2], (size_t) (r0 + 1 + gap) * qp->nb[1]);
-        struct ggml_tensor * kq = ggml_scale(g, ggml_mul_mat(g, kp, qb), 1.0f / sqrtf((float) D));  // [n, len, H]
+        // this block's rows see columns 0 .. r0 + len - 1 at most: skip the rest of the cells
+        const int nk = r0 + len;
+        struct ggml_tensor * kb = ggml_view_3d(g, kp, D, nk, kp->ne[2], kp->nb[1], kp->nb[2], 0);
+        struct ggml_tensor * vb = ggml_view_3d(g, vt, nk, D, vt->ne[2], vt->nb[1], vt->nb[2], 0);
+        struct ggml_tensor * kq = ggml_scale(g, ggml_mul_mat(g, kb, qb), 1.0f / sqrtf((float) D));  // [nk, len, H]
         kq = ggml_soft_max(g, ggml_diag_mask_inf(g, kq, r0));
-        struct ggml_tensor * o = ggml_mul_mat(g, vt, kq);  // [D, len, H]
+        struct ggml_tensor * o = ggml_mul_mat(g, vb, kq);  // [D, len, H]
         o = ggml_reshape_2d(g, ggml_cont(g, ggml_permute(g, o, 0, 2, 1, 3)), D * H, len);
         out = out ? ggml_concat(g, out, o, 1) : o;
     }
@@ -151,15 +154,17 @@ static struct ggml_tensor * kvl_cc_attention(struct ggml_context * g, const stru
 //   k, v:        kv_type (0 f32, 1 f16) [n_layer - first_layer, n, n_head_kv * head_dim]
 //   hidden:      f32 [n, n_embd], the input of first_layer (unused when first_layer == 0)
 //   out:         f32 [n]; the first gap + 1 cells see nothing: their values mean nothing
+//   block:       query rows per attention block (0: keep the score matrix near 64 MB)
 //   n >= gap + 2
-int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first_layer, int normalized, int gap, int n,
+int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first_layer, int normalized, int gap,
+                       int block, int n,
                        const int32_t * tokens, const int32_t * pos, const void * k, const void * v, int kv_type,
                        const float * hidden, float * out) {
     const struct kvl_hparams * hp = &m->hp;
     if (!c || !m || gap < 0 || n < gap + 2 || first_layer < 0 || first_layer >= hp->n_layer) return KVL_BAD_SHAPE;
     if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
     const int D = hp->head_dim, Hkv = hp->n_head_kv, n_used = hp->n_layer - first_layer;
-    const int block = kvl_cc_block(n, hp->n_head);
+    if (block <= 0) block = kvl_cc_block(n, hp->n_head);
     const size_t n_nodes = 256 + (size_t) n_used * (64 + 16 * ((size_t) n / block + 1));
     struct ggml_init_params ip = {ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), NULL,
                                   true};
@@ -193,7 +198,7 @@ int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first
             kl = ggml_cast(g, kl, GGML_TYPE_F32);
             vl = ggml_cast(g, vl, GGML_TYPE_F32);
         }
-        x = ggml_add(g, x, ggml_mul_mat(g, L->wo, kvl_cc_attention(g, hp, q, kl, vl, n, gap)));
+        x = ggml_add(g, x, ggml_mul_mat(g, L->wo, kvl_cc_attention(g, hp, q, kl, vl, n, gap, block)));
         cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->ffn_norm);
         cur = ggml_mul(g, ggml_silu(g, ggml_mul_mat(g, L->w_gate, cur)), ggml_mul_mat(g, L->w_up, cur));
         x = ggml_add(g, x, ggml_mul_mat(g, L->w_down, cur));

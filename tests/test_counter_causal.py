@@ -101,6 +101,21 @@ def test_native_matches_twin_on_tiny_models(tiny_path, variant, score, holes):
     )
 
 
+@pytest.mark.parametrize("block_rows", [1, 7, 32])
+def test_attention_blocks_give_the_same_logits(tiny_paths, block_rows):
+    """Long caches go through query blocks that each read only the cells they may see."""
+    path = tiny_paths["llama"]
+    ref = ReferenceModel(path)
+    model, cache = _engine_cache(path, _tokens(70, ref.info.n_vocab, 5))
+    cc = SurpriseModel(model.info)
+    for variant in ("full", "fast"):
+        contents = cache_contents(cache, cc, variant)
+        for gap in (0, 2):
+            got = cc.logits(contents, variant, "raw", min_gap=gap, block_rows=block_rows)
+            want = _twin_from(ref, contents, variant, "raw", min_gap=gap)
+            assert np.abs(got[: -1 - gap] - want[: -1 - gap]).max() < ATOL
+
+
 @pytest.mark.parametrize("variant", ["full", "fast"])
 def test_min_gap_skips_the_nearest_cells(tiny_paths, variant):
     path = tiny_paths["qwen2"]

@@ -68,12 +68,13 @@ class SurpriseModel:
         return 0 if variant == "full" else self.info.n_layer - 1
 
     def logits(
-        self, contents: CacheContents, variant: str = "fast", score: str = "raw", min_gap: int = 0
+        self, contents: CacheContents, variant: str = "fast", score: str = "raw", min_gap: int = 0, block_rows: int = 0
     ) -> np.ndarray:
         """The counter-causal logit (or log-probability) of x_i at every cell, ascending position
         order. Cell i attends to the cells after it but the nearest min_gap (index distance, as
         the reference code's min_gap). The last min_gap + 1 cells have no later context: NaN
-        (callers keep them always)."""
+        (callers keep them always). block_rows: queries per attention block (0: automatic, the
+        score matrix near 64 MB)."""
         if score not in SCORES:
             raise KvliteError(f"unknown surprise score '{score}': choose from {', '.join(SCORES)}")
         first = self.first_layer(variant)
@@ -106,9 +107,9 @@ class SurpriseModel:
         v = np.ascontiguousarray(contents.v[:, ::-1])
         out = np.empty(n, np.float32)
         rc = self._native.lib.kvl_counter_causal(
-            self._native.ctx, self.ptr, first, int(score == "logprob"), min_gap, n, tokens.ctypes.data,
-            positions.ctypes.data,
-            k.ctypes.data, v.ctypes.data, kv_type, None if hidden is None else hidden.ctypes.data, out.ctypes.data,
+            self._native.ctx, self.ptr, first, int(score == "logprob"), min_gap, max(block_rows, 0), n,
+            tokens.ctypes.data, positions.ctypes.data, k.ctypes.data, v.ctypes.data, kv_type,
+            None if hidden is None else hidden.ctypes.data, out.ctypes.data,
         )  # fmt: skip
         if rc != 0:
             raise KvliteError(f"native counter-causal pass failed (status {rc}) over {n} cells")
