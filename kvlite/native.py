@@ -67,7 +67,6 @@ class Native:
         lib.kvl_init.restype = ctypes.c_void_p
         lib.kvl_init.argtypes = [ctypes.c_int]
         lib.kvl_free.argtypes = [ctypes.c_void_p]
-        lib.kvl_ggml_tensor_size.restype = ctypes.c_size_t
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
@@ -104,9 +103,6 @@ class Native:
     def ctx(self) -> int:
         """The native context (one ggml backend) the kernels run on."""
         return self._ctx
-
-    def ggml_tensor_size(self) -> int:
-        return int(self._lib.kvl_ggml_tensor_size())
 
     def attn_pool(
         self,

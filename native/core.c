@@ -3,9 +3,6 @@
 
 int kvl_abi_version(void) { return KVL_ABI_VERSION; }
 
-// sizeof(struct ggml_tensor) as compiled here: Python checks it against its ctypes mirror.
-size_t kvl_ggml_tensor_size(void) { return sizeof(struct ggml_tensor); }
-
 struct kvl_ctx * kvl_init(int n_threads) {
     struct kvl_ctx * c = calloc(1, sizeof(*c));
     if (!c) return NULL;

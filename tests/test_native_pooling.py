@@ -121,11 +121,3 @@ def test_stale_library_is_refused(monkeypatch):
     monkeypatch.setattr(kn, "ABI_VERSION", kn.ABI_VERSION + 1)  # this kvlite expects a newer library
     with pytest.raises(KvliteError, match="stale"):
         Native()
-
-
-def test_ctypes_tensor_mirror_matches_the_headers():
-    import ctypes
-
-    from kvlite.engine.ggml_tensor import GgmlTensor
-
-    assert ctypes.sizeof(GgmlTensor) == native().ggml_tensor_size()
