@@ -38,6 +38,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="full", choices=sorted(POLICIES), help="eviction policy")
     p.add_argument("--budget", type=int, default=None, help="KV cells kept after eviction, sinks included")
     p.add_argument("--sinks", type=int, default=4, help="first positions always kept (attention sinks)")
+    p.add_argument("--window", type=int, default=None, help="most recent tokens always kept")
+    p.add_argument("-T", "--lookahead", type=int, default=None, help="lookahead steps (echokv, laq, dapq; default 16)")
+    p.add_argument("--workspace", type=int, default=None, help="prompt tokens a lookahead workspace views (B1)")
+    p.add_argument("--anchors", type=int, default=None, help="last prompt queries rotated into proposals (S)")
+    p.add_argument("--pool-kernel", type=int, default=None, help="max-pool smoothing of attention scores (odd)")
+    p.add_argument("--aggregate", default=None, help="per-(layer, head) scores to one per token: mean, max, votes")
+    p.add_argument("--surprise", default=None, help="counter-causal score: raw (the paper's logit) or logprob")
+    p.add_argument("--min-gap", type=int, default=None, help="counter-causal: nearest later tokens not attended")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per decode call)")
     p.add_argument("-fa", "--flash-attn", action="store_true",
                    help="flash attention (faster prefill; off by default: slower decode on CPU)")  # fmt: skip
@@ -71,7 +79,11 @@ def _policy_from_args(args):
 
     if args.policy != "full" and args.budget is None:
         raise KvliteError(f"--policy {args.policy} needs --budget N (KV cells to keep)")
-    return make_policy(args.policy, budget=args.budget, sinks=args.sinks)
+    return make_policy(
+        args.policy, budget=args.budget, sinks=args.sinks, window=args.window, lookahead=args.lookahead,
+        workspace=args.workspace, anchors=args.anchors, pool_kernel=args.pool_kernel, aggregation=args.aggregate,
+        score=args.surprise, min_gap=args.min_gap,
+    )  # fmt: skip
 
 
 def _sampling_from_args(args):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def protected_positions(positions: np.ndarray, sinks: int) -> np.ndarray:
+def protected_positions(positions: np.ndarray, sinks: int, window: int = 0) -> np.ndarray:
     """Which of the resident positions are protected: the first `sinks` positions (attention
-    sinks) and the last one (new tokens continue after it)."""
+    sinks), the last `window` resident tokens (a recent window) and the last one (new tokens
+    continue after it)."""
     mask = positions < sinks
     if len(positions):
-        mask[-1] = True
+        mask[-max(window, 1) :] = True
     return mask
 
 

@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .cache import KVCache
-from .engine import Context, Model, Sampler, SamplingParams
+from .engine import Capture, Context, Model, Sampler, SamplingParams
 from .errors import KvliteError
 from .policies import FullKV, Policy
+from .policies.observe import Observation
 from .selection import protected_positions, select_keep
 
 DEFAULT_CHUNK = 512
@@ -30,10 +31,10 @@ def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chun
         if not n_ctx:
             return policy.budget + chunk, chunk
         return n_ctx, min(chunk, n_ctx - policy.budget)
-    need = n_tokens + max(n_predict, 0)
+    need = n_tokens + max(n_predict, 0) + policy.lookahead_cells()
     if not n_ctx:
         return max(need, 16), chunk
-    if n_tokens > n_ctx:
+    if n_tokens + policy.lookahead_cells() > n_ctx:
         raise KvliteError(
             f"the prompt has {n_tokens} tokens and the context {n_ctx}: raise -c or use an evicting policy "
             "(e.g. --policy streaming --budget 512)"
@@ -88,13 +89,39 @@ class Session:
         self.policy = policy or FullKV()
         self.policy.validate()
         self.chunk = chunk
-        self.ctx = Context(model, n_ctx, n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn)
-        self.cache = KVCache(self.ctx)
+        self.capture = self._capture_for(self.policy)
+        if self.capture is not None and flash_attn:
+            raise KvliteError(f"--policy {self.policy.name} observes attention: drop --flash-attn")
+        self.ctx = Context(
+            model, n_ctx, n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn, capture=self.capture
+        )
+        hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
+        self.cache = KVCache(self.ctx, hidden_layer=hidden_layer)
+        self.observed: dict[str, np.ndarray] = {}  # queries of the last tokens fed, per kind [L, n, H, D]
+        self.workspace_forward_passes = 0
+        self._next_logits: np.ndarray | None = None  # set when decodes on the workspace overwrote them
         self.sampling = sampling or SamplingParams()
         self.sampler = Sampler(self.sampling)
         self.timings = Timings()
         self._compact_due = False
         self.kept_positions: np.ndarray | None = None
+
+    def _capture_for(self, policy: Policy) -> Capture | None:
+        """Ask llama.cpp only for what the policy observes."""
+        n_layer = self.model.info.n_layer
+        wants_queries = policy.observed_tokens() > 0 or policy.lookahead_cells() > 0
+        if not wants_queries and not policy.needs_hidden:
+            return None
+        capture = Capture()
+        if policy.needs_hidden:
+            capture.request("hidden", [n_layer - 2])  # always on: every token's row is kept
+        if wants_queries:
+            if policy.needs_hidden:
+                raise KvliteError("a policy observing both queries and hidden states is not supported yet")
+            capture.request("q", range(n_layer))
+            capture.request("q_pre", range(n_layer))
+            capture.enabled = False  # switched on for the tokens observed
+        return capture
 
     def close(self) -> None:
         self.sampler.close()
@@ -106,12 +133,17 @@ class Session:
         if budget is None or self.cache.n_resident <= budget:
             return
         t0 = time.perf_counter()
-        positions = self.cache.positions()
+        obs = Observation(self)
+        try:
+            scores = self.policy.scores(obs)
+        finally:
+            if self.cache.workspace_active:
+                self.cache.workspace_drop()  # lookahead cells never outlive the scoring
+        self.workspace_forward_passes += obs.workspace_forward_passes
+        if obs.next_logits is not None:
+            self._next_logits = obs.next_logits
         keep = select_keep(
-            positions,
-            self.policy.scores(self.cache),
-            budget,
-            protected_positions(positions, self.policy.sinks),
+            obs.positions, scores, budget, protected_positions(obs.positions, self.policy.sinks, self.policy.window)
         )
         if self.cache.evict(keep):
             self._compact_due = True
@@ -136,23 +168,40 @@ class Session:
         if not tokens:
             raise KvliteError("nothing to feed: the prompt is empty")
         t0 = time.perf_counter()
+        observe_from = len(tokens) - self.policy.observed_tokens() if self.policy.observed_tokens() else len(tokens)
+        watching = self.capture is not None and not self.policy.needs_hidden
         try:
             for start in range(0, len(tokens), self.chunk):
                 if interrupted():
                     return False
                 piece = tokens[start : start + self.chunk]
+                if watching:
+                    self.capture.enabled = start + len(piece) > observe_from
                 self.cache.append(piece, logits="last")
                 self.timings.prefill_tokens += len(piece)
                 if self.policy.continuous:
                     self._evict_to_budget()
                 if progress:
                     progress(len(piece))
+            if watching:
+                self.capture.enabled = False
+                self._keep_observed()
             self._evict_to_budget()
             self._compact()
             return True
         finally:
             self.timings.prefill_s += time.perf_counter() - t0
             self.kept_positions = self.cache.positions()
+
+    def _keep_observed(self) -> None:
+        """Move the captured queries of the prompt's last tokens out of the capture."""
+        data = self.capture.data
+        n_layer = self.model.info.n_layer
+        self.observed = {}
+        for kind in ("q", "q_pre"):
+            if (kind, 0) in data:
+                self.observed[kind] = np.stack([np.concatenate(data[(kind, il)]) for il in range(n_layer)])
+        self.capture.clear()
 
     def generate(
         self,
@@ -174,7 +223,10 @@ class Session:
                 if self.cache.n_resident >= self.ctx.n_ctx:
                     stopped = "context full"
                     break
-                token = self.sampler.sample(self.ctx.ptr, -1)
+                if self._next_logits is not None:
+                    token, self._next_logits = self.sampler.sample_logits(self._next_logits), None
+                else:
+                    token = self.sampler.sample(self.ctx.ptr, -1)
                 if self.model.is_eog(token):
                     stopped = "eog"
                     break
@@ -202,4 +254,5 @@ class Session:
             "final_cells": self.cache.n_resident,
             "evicted": self.cache.evicted,
             "kept_positions": [int(p) for p in kept if p < n_prompt],
+            "workspace_forward_passes": self.workspace_forward_passes,
         }

@@ -41,3 +41,13 @@ def test_seeded_sampling_is_repeatable_and_seed_dependent(tiny_model):
 def test_bad_sampling_params(bad):
     with pytest.raises(KvliteError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.9])
+def test_sampling_saved_logits_equals_sampling_the_context(tiny_model, temp):
+    params = SamplingParams(temp=temp, seed=3)
+    ctx = Context(tiny_model, n_ctx=64)
+    KVCache(ctx).append([5, 6, 7])
+    from_ctx = [Sampler(params).sample(ctx.ptr) for _ in range(1)]
+    from_saved = [Sampler(params).sample_logits(ctx.logits()) for _ in range(1)]
+    assert from_ctx == from_saved

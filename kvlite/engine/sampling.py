@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import llama_cpp as L
@@ -43,6 +44,21 @@ class Sampler:
     def sample(self, ctx_ptr, row: int = -1) -> int:
         """Sample from row `row` of the last decode's logits (and tell the chain what was chosen)."""
         return int(L.llama_sampler_sample(self.ptr, ctx_ptr, row))
+
+    def sample_logits(self, logits: np.ndarray) -> int:
+        """Sample from a saved logits vector (the context's own row may have been overwritten, e.g.
+        by lookahead decodes on a workspace)."""
+        n = len(logits)
+        arr = (L.llama_token_data * n)()
+        view = np.ctypeslib.as_array(arr)
+        view["id"] = np.arange(n)
+        view["logit"] = logits
+        view["p"] = 0.0
+        cur = L.llama_token_data_array(data=arr, size=n, selected=-1, sorted=False)
+        L.llama_sampler_apply(self.ptr, ctypes.byref(cur))
+        token = int(cur.data[cur.selected].id)
+        L.llama_sampler_accept(self.ptr, token)
+        return token
 
     def close(self) -> None:
         if getattr(self, "ptr", None):

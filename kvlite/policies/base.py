@@ -1,41 +1,57 @@
 """What a policy is: what it observes and how it scores. Everything else (protection, selection,
-eviction, compaction) is shared and lives in kvlite.selection and kvlite.cache."""
+eviction, compaction, the lookahead mechanics) is shared and lives in kvlite.selection,
+kvlite.cache and kvlite.policies.observe."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from ..cache import KVCache
 from ..errors import KvliteError
+
+if TYPE_CHECKING:
+    from .observe import Observation
 
 
 @dataclasses.dataclass
 class Policy:
     """budget: cells kept on the live sequence after an eviction, protected ones included
-    (None: keep everything). sinks: the first positions, always kept."""
+    (None: keep everything). sinks: the first positions, always kept. window: the most recent
+    resident tokens, always kept (0: only the last one)."""
 
     budget: int | None = None
     sinks: int = 4
+    window: int = 0
 
     name: ClassVar[str] = ""
     # True: evict whenever the cache exceeds the budget, while the prompt is fed (in chunks) and
     # while generating, so memory is bounded by budget + chunk whatever the prompt length.
+    # False: evict once, when the prompt (or a chat turn) has been read.
     continuous: ClassVar[bool] = False
+    # What the session must capture while the prompt is read: the queries of its last
+    # `observed_tokens()` tokens, and/or the hidden states entering the last layer.
+    needs_hidden: ClassVar[bool] = False
+
+    def observed_tokens(self) -> int:
+        return 0
+
+    def lookahead_cells(self) -> int:
+        """Cells the policy's lookahead decodes on the workspace need beside the prompt."""
+        return 0
 
     def validate(self) -> None:
-        if self.sinks < 0:
-            raise KvliteError(f"--sinks must be >= 0, got {self.sinks}")
+        if self.sinks < 0 or self.window < 0:
+            raise KvliteError(f"--sinks and --window must be >= 0, got {self.sinks} and {self.window}")
         if self.budget is None:
             return
-        if self.budget <= self.sinks + 1:
+        if self.budget <= self.sinks + max(self.window, 1):
             raise KvliteError(
-                f"--budget {self.budget} leaves no room beside {self.sinks} sinks and the last token: "
-                f"use a budget above {self.sinks + 1}"
+                f"--budget {self.budget} leaves no room beside {self.sinks} sinks and a recent window of "
+                f"{max(self.window, 1)}: use a budget above {self.sinks + max(self.window, 1)}"
             )
 
-    def scores(self, cache: KVCache) -> np.ndarray:
-        """One score per resident live position (cache.positions()); higher is kept first."""
+    def scores(self, obs: Observation) -> np.ndarray:
+        """One score per resident live position (obs.positions); higher is kept first."""
         raise NotImplementedError

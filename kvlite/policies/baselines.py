@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from ..cache import KVCache
 from .base import Policy
+from .observe import Observation
 
 
 @dataclasses.dataclass
@@ -20,8 +20,8 @@ class FullKV(Policy):
         super().validate()
         self.budget = None
 
-    def scores(self, cache: KVCache) -> np.ndarray:
-        return np.zeros(cache.n_resident)
+    def scores(self, obs: Observation) -> np.ndarray:
+        return np.zeros(len(obs.positions))
 
 
 @dataclasses.dataclass
@@ -31,5 +31,5 @@ class StreamingLLM(Policy):
     name = "streaming"
     continuous = True
 
-    def scores(self, cache: KVCache) -> np.ndarray:
-        return cache.positions().astype(np.float64)  # later is better
+    def scores(self, obs: Observation) -> np.ndarray:
+        return obs.positions.astype(np.float64)  # later is better

@@ -1,0 +1,106 @@
+"""Policies that score cached tokens by the attention some queries pay them (EchoKV Eq. 3 pooling
+per layer and KV group, then aggregated to one score per token)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import KvliteError
+from ..scoring.aggregate import METHODS
+from .base import Policy
+from .observe import Observation
+
+
+@dataclasses.dataclass
+class AttentionPolicy(Policy):
+    """aggregation: how per-(layer, KV group) scores become one per token (mean, max, votes);
+    pool_kernel: SnapKV's max-pool smoothing over neighbouring tokens (odd, 0 = none)."""
+
+    aggregation: str = "max"
+    pool_kernel: int = 7
+
+    def validate(self) -> None:
+        super().validate()
+        if self.aggregation not in METHODS:
+            raise KvliteError(f"--aggregate must be one of {', '.join(METHODS)}, got '{self.aggregation}'")
+        if self.pool_kernel < 0 or (self.pool_kernel > 1 and self.pool_kernel % 2 == 0):
+            raise KvliteError(f"--pool-kernel must be odd (or 0), got {self.pool_kernel}")
+
+    def score_queries(self, obs: Observation, queries: np.ndarray) -> np.ndarray:
+        return obs.token_scores(queries, self.aggregation, self.pool_kernel, self.budget or 1)
+
+
+@dataclasses.dataclass
+class SnapKV(AttentionPolicy):
+    """SnapKV (Li et al., 2024): the last `observation` prompt queries, smoothed; the observation
+    window itself is kept (window defaults to it)."""
+
+    name = "snapkv"
+    observation: int = 32
+
+    def __post_init__(self):
+        self.window = self.window or self.observation
+
+    def observed_tokens(self) -> int:
+        return self.observation
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        return self.score_queries(obs, obs.last_queries(self.observation))
+
+
+@dataclasses.dataclass
+class TOVA(AttentionPolicy):
+    """TOVA (Oren et al., 2024): the attention of the last token only."""
+
+    name = "tova"
+    pool_kernel: int = 0
+
+    def observed_tokens(self) -> int:
+        return 1
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        return self.score_queries(obs, obs.last_queries(1))
+
+
+@dataclasses.dataclass
+class H2O(AttentionPolicy):
+    """H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus a recent window.
+    At the end of a prompt the attention accumulated is that of its last `observation` queries
+    (kvlite has no full prefill attention matrix; see docs)."""
+
+    name = "h2o"
+    pool_kernel: int = 0
+    observation: int = 32
+    aggregation: str = "mean"
+
+    def __post_init__(self):
+        self.window = self.window or (self.budget // 2 if self.budget else 0)
+
+    def observed_tokens(self) -> int:
+        return self.observation
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        return self.score_queries(obs, obs.last_queries(self.observation))
+
+
+@dataclasses.dataclass
+class DapQ(AttentionPolicy):
+    """DapQ proposals alone (EchoKV's stage 1): the last `anchors` pre-RoPE queries rotated to the
+    next `lookahead` positions (Eq. 2), pooled over the prompt."""
+
+    name = "dapq"
+    lookahead: int = 16
+    anchors: int = 1
+
+    def validate(self) -> None:
+        super().validate()
+        if self.lookahead <= 0 or self.anchors <= 0:
+            raise KvliteError(f"-T and --anchors must be positive, got {self.lookahead} and {self.anchors}")
+
+    def observed_tokens(self) -> int:
+        return self.anchors
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        return self.score_queries(obs, obs.proposals(self.anchors, self.lookahead))

@@ -1,0 +1,85 @@
+"""Policies whose queries come from decoding ahead on a workspace view of the prompt: the queries
+of the answer being generated are the ones with a reason to find the evidence (notes/lookahead.md).
+Both decode T tokens on the workspace (sequence 1); the live cache is untouched until eviction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..errors import KvliteError
+from .attention import AttentionPolicy
+from .observe import Observation
+
+
+@dataclasses.dataclass
+class LookaheadPolicy(AttentionPolicy):
+    """lookahead (T): greedy workspace steps; workspace (B1): prompt tokens the workspace views."""
+
+    lookahead: int = 16
+    workspace: int = 1024
+
+    def validate(self) -> None:
+        super().validate()
+        if self.lookahead <= 0:
+            raise KvliteError(f"-T must be positive, got {self.lookahead}")
+        if self.budget is not None and self.workspace < self.budget:
+            raise KvliteError(f"--workspace {self.workspace} is smaller than --budget {self.budget}")
+
+    def lookahead_cells(self) -> int:
+        return self.lookahead
+
+
+@dataclasses.dataclass
+class LAQ(LookaheadPolicy):
+    """LAQ: T greedy steps on a frozen SnapKV workspace (window 32, pooling 7, as LAQ's scripts),
+    then the final top-B by the lookahead queries over the whole prompt."""
+
+    name = "laq"
+    observation: int = 32
+
+    def observed_tokens(self) -> int:
+        return self.observation
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        snap = obs.token_scores(obs.last_queries(self.observation), self.aggregation, 7, self.workspace)
+        look = obs.lookahead(obs.top(snap, self.workspace))
+        try:
+            queries = look.step(self.lookahead)
+        finally:
+            look.close()
+        return self.score_queries(obs, queries)
+
+
+@dataclasses.dataclass
+class EchoKV(LookaheadPolicy):
+    """EchoKV, Algorithm 1: bootstrap W1 from proposals (Eq. 2, 3); round 1, T/2 greedy steps on W1
+    (queries Q1); repair, W2 = top-B1 of the whole prompt under Q1 (round-1 tokens stay, so round 2
+    continues after them); round 2, T/2 steps on W2 (Q2); final top-B under [Q1; Q2]. T workspace
+    forward passes in all, as LAQ."""
+
+    name = "echokv"
+    anchors: int = 1
+
+    def validate(self) -> None:
+        super().validate()
+        if self.lookahead % 2:
+            raise KvliteError(f"EchoKV splits -T into two rounds: it must be even, got {self.lookahead}")
+        if self.anchors <= 0:
+            raise KvliteError(f"--anchors must be positive, got {self.anchors}")
+
+    def observed_tokens(self) -> int:
+        return self.anchors
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        half = self.lookahead // 2
+        w1 = obs.top(self.score_queries(obs, obs.proposals(self.anchors, self.lookahead)), self.workspace)
+        look = obs.lookahead(w1)
+        try:
+            q1 = look.step(half)
+            look.view(obs.top(self.score_queries(obs, q1), self.workspace))
+            q2 = look.step(half)
+        finally:
+            look.close()
+        return self.score_queries(obs, np.concatenate([q1, q2], axis=2))

@@ -1,0 +1,119 @@
+"""What a policy may look at when it scores the live cache, and the lookahead mechanics written once.
+
+An Observation is made by the session at an eviction point. Each piece (cached keys, the last
+prompt queries, pooled attention, counter-causal logits, lookahead queries) is computed when a
+policy first asks for it, from what llama.cpp holds.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..engine import Capture
+from ..errors import KvliteError
+from ..native import native
+from ..scoring.aggregate import aggregate
+from ..scoring.proposals import proposals
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+
+class Observation:
+    def __init__(self, session: Session):
+        self.session = session
+        self.cache = session.cache
+        self.info = session.model.info
+        self.positions = self.cache.positions()  # resident live positions, ascending: what scores index
+        self.workspace_forward_passes = 0
+        self.next_logits: np.ndarray | None = None  # the prompt's own, saved before a lookahead overwrites them
+
+    # -- what the prefill left ------------------------------------------------------------------
+    @functools.cached_property
+    def keys(self) -> np.ndarray:
+        """Cached post-RoPE keys of the resident cells, from llama.cpp's state: [L, Hkv, n, D] f16."""
+        info = self.info
+        pos, k, _ = self.cache.read_kv(range(info.n_layer))
+        assert np.array_equal(pos, self.positions)
+        return np.ascontiguousarray(
+            k.reshape(info.n_layer, len(pos), info.n_head_kv, info.head_dim).transpose(0, 2, 1, 3)
+        )
+
+    def last_queries(self, n: int, kind: str = "q") -> np.ndarray:
+        """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D]."""
+        rows = self.session.observed.get(kind)
+        if rows is None or rows.shape[1] < n:
+            raise KvliteError(f"the session did not capture {kind} of the last {n} tokens")
+        return np.ascontiguousarray(rows[:, -n:].transpose(0, 2, 1, 3))
+
+    def pooled(self, queries: np.ndarray, pool_kernel: int = 0) -> np.ndarray:
+        """EchoKV Eq. 3 of these queries over every resident cell: [L, Hkv, n]."""
+        return native().attn_pool(queries, self.keys, pool_kernel=pool_kernel)
+
+    def token_scores(self, queries: np.ndarray, aggregation: str, pool_kernel: int, budget: int) -> np.ndarray:
+        return aggregate(self.pooled(queries, pool_kernel), aggregation, budget)
+
+    def proposals(self, anchors: int, steps: int) -> np.ndarray:
+        """EchoKV Eq. 2: the last `anchors` pre-RoPE queries rotated to the next `steps` positions."""
+        pre = self.last_queries(anchors, "q_pre").transpose(0, 2, 1, 3)  # [L, S, H, D]
+        start = self.cache.n_pos
+        return proposals(self.info, pre, range(start, start + steps))
+
+    def top(self, scores: np.ndarray, n: int) -> np.ndarray:
+        """The n resident positions with the highest scores (ties: later first), ascending."""
+        order = np.lexsort((-self.positions, -np.asarray(scores, dtype=np.float64)))
+        return np.sort(self.positions[order[:n]])
+
+    # -- lookahead on the workspace sequence ------------------------------------------------------
+    def lookahead(self, prompt_view: np.ndarray) -> Lookahead:
+        return Lookahead(self, prompt_view)
+
+
+class Lookahead:
+    """Greedy decoding on a workspace view of some prompt cells (sequence 1), collecting the post-
+    RoPE query of every decoded token. The live sequence is untouched; `close` drops it all."""
+
+    def __init__(self, obs: Observation, prompt_view: np.ndarray):
+        self.obs = obs
+        session = obs.session
+        if session.capture is None or not session.capture.wants("q", 0):
+            raise KvliteError("lookahead needs a session capturing queries")
+        self.cache = session.cache
+        self.capture: Capture = session.capture
+        self.ctx = session.ctx
+        last = self.cache.n_pos - 1
+        self.cache.workspace_create(sorted(set(np.asarray(prompt_view).tolist()) | {last}))
+        if obs.next_logits is None:
+            obs.next_logits = self.ctx.logits(-1)
+        self.next_token = int(np.argmax(obs.next_logits))  # the prefill's own next token
+        self.tokens: list[int] = []
+
+    def view(self, prompt_view: np.ndarray) -> None:
+        """Swap the prompt part of the workspace; lookahead tokens decoded so far stay."""
+        want = set(np.asarray(prompt_view).tolist()) | {self.cache.n_pos - 1}
+        have = set(self.cache.positions(1)[self.cache.positions(1) < self.cache.n_pos].tolist())
+        self.cache.workspace_add(sorted(want - have))
+        self.cache.workspace_remove(sorted(have - want))
+
+    def step(self, n: int) -> np.ndarray:
+        """Decode n greedy tokens on the workspace; their queries [L, H, n, D]."""
+        info = self.obs.info
+        self.capture.clear()
+        self.capture.enabled = True
+        try:
+            for _ in range(n):
+                self.cache.workspace_decode([self.next_token], logits="last")
+                self.obs.workspace_forward_passes += 1
+                self.tokens.append(self.next_token)
+                self.next_token = int(np.argmax(self.ctx.logits(-1)))
+            q = np.stack([self.capture.take("q", il) for il in range(info.n_layer)])  # [L, n, H, D]
+        finally:
+            self.capture.enabled = False
+        return np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+
+    def close(self) -> None:
+        if self.cache.workspace_active:
+            self.cache.workspace_drop()

@@ -1,0 +1,51 @@
+"""Counter-causal surprise ("Back from the Future"): keep the tokens the later context cannot
+predict. Scores from kvlite.scoring.surprise; the last min_gap + 1 tokens are always kept."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from ..errors import KvliteError
+from ..scoring.surprise import SCORES, SurpriseModel, cache_contents, surprise
+from .base import Policy
+from .observe import Observation
+
+
+@functools.lru_cache(maxsize=4)
+def _surprise_model(info) -> SurpriseModel:
+    return SurpriseModel(info)
+
+
+@dataclasses.dataclass
+class CounterCausal(Policy):
+    """score: "raw" (the paper's logit of x_i) or "logprob" (normalized across positions);
+    min_gap: cells next to a token it may not attend to (the reference code's min_gap)."""
+
+    name = "cc"
+    variant = "full"
+    score: str = "raw"
+    min_gap: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.score not in SCORES:
+            raise KvliteError(f"--surprise must be one of {', '.join(SCORES)}, got '{self.score}'")
+        if self.min_gap < 0:
+            raise KvliteError(f"--min-gap must be >= 0, got {self.min_gap}")
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        model = _surprise_model(obs.info)
+        logits = model.logits(cache_contents(obs.cache, model, self.variant), self.variant, self.score, self.min_gap)
+        return surprise(logits)
+
+
+@dataclasses.dataclass
+class CounterCausalFast(CounterCausal):
+    """The single-layer approximation: the last layer only, from the stored hidden states."""
+
+    name = "cc-fast"
+    variant = "fast"
+    needs_hidden = True
