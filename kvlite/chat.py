@@ -14,61 +14,62 @@ from .errors import KvliteError
 from .models import resolve_model
 from .policies import Policy
 from .progress import progress_bar
-from .session import Session
+from .runner import Runner
 
-CHAT_CTX = 4096
+CHAT_CTX = 4096  # the context of a conversation that is never evicted
+
 HELP = "/reset clears the conversation, /stats shows the cache, /quit leaves (or Ctrl-D)"
 
 
 class Conversation:
     """The messages so far and the text of them the cache holds."""
 
-    def __init__(self, session: Session, system: str | None = None):
-        self.session = session
+    def __init__(self, runner: Runner, system: str | None = None):
+        self.runner = runner
         self.system = system
         self.reset()
 
     def reset(self) -> None:
-        self.session.cache.reset()
+        self.runner.cache.reset()
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.rendered = ""
 
     def turn(self, user: str, n_predict: int, on_text, interrupted) -> tuple[str, str]:
         """Feed one user message and generate the reply. Returns (reply, why it stopped)."""
-        model = self.session.model
+        model = self.runner.model
         messages = [*self.messages, {"role": "user", "content": user}]
         full = model.apply_chat_template(messages, add_assistant=True)
         # The template re-renders the whole conversation; the cache already holds its prefix.
         new_text = full[len(self.rendered) :] if full.startswith(self.rendered) else full
         tokens = model.tokenize(new_text, add_special=not self.rendered, parse_special=True)
-        cache = self.session.cache
+        cache = self.runner.cache
         start = cache.n_pos
-        with progress_bar(len(tokens), "prefill", min_total=2 * self.session.chunk) as bar:
+        with progress_bar(len(tokens), "prefill", min_total=2 * self.runner.chunk) as bar:
             try:
-                complete = self.session.feed(tokens, progress=bar, interrupted=interrupted)
+                complete = self.runner.feed(tokens, progress=bar, interrupted=interrupted)
             except KvliteError:
                 cache.truncate(start)
                 raise
         if not complete:
             cache.truncate(start)  # forget the half-fed turn; the conversation is as before
             return "", "interrupted"
-        out, stopped = self.session.generate(n_predict, on_text=on_text, interrupted=interrupted)
+        out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
         reply = model.detokenize(out)
         self.messages = [*messages, {"role": "assistant", "content": reply}]
         self.rendered = full + reply
         return reply, stopped
 
     def status(self) -> str:
-        c = self.session.cache
-        budget = self.session.policy.budget
+        c = self.runner.cache
+        budget = self.runner.policy.budget
         return (
-            f"[cells {c.n_resident}/{self.session.ctx.n_ctx} | budget {budget if budget else 'none'} | "
-            f"evicted {c.evicted} | policy {self.session.policy.name}]"
+            f"[cells {c.n_resident}/{self.runner.ctx.n_ctx} | budget {budget if budget else 'none'} | "
+            f"evicted {c.evicted} | policy {self.runner.policy.name}]"
         )
 
     def stats(self) -> str:
-        c = self.session.cache
-        t = self.session.timings.as_dict()
+        c = self.runner.cache
+        t = self.runner.timings.as_dict()
         kept = c.positions()
         lines = [
             self.status(),
@@ -95,18 +96,18 @@ def sigint_flag() -> Iterator[list[bool]]:
 
 
 def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
-    from .session import plan_context
+    from .runner import plan_context
 
     model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
     if model.chat_template is None:
         raise KvliteError(f"{model.path.name} has no chat template: use `kvlite generate`")
-    # A conversation's length is unknown: without eviction, give it a 4096-cell context.
+    # A conversation's length is unknown: without continuous eviction, give it a 4096-cell context.
     n_ctx = args.ctx_size or (0 if policy.continuous else CHAT_CTX)
     n_ctx, chunk = plan_context(policy, n_ctx, 0, 0, args.chunk)
-    session = Session(
+    runner = Runner(
         model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads, flash_attn=args.flash_attn
     )
-    conv = Conversation(session, system=args.system)
+    conv = Conversation(runner, system=args.system)
     interactive = sys.stdin.isatty()
     print(f"kvlite chat: {model.info.name}, policy {policy.name}. {HELP}", file=sys.stderr)
     while True:

@@ -127,36 +127,24 @@ def _read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
+    from .api import Session
     from .engine import Model
     from .models import resolve_model
     from .progress import progress_bar
-    from .session import Generation, Session, plan_context
 
     text = _read_prompt(args)
-    policy = _policy_from_args(args)
-    sampling = _sampling_from_args(args)
-    if args.n_predict < 0:
-        raise KvliteError(f"-n must be >= 0, got {args.n_predict}")
-    model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
-    if args.chat:
-        text = model.apply_chat_template([{"role": "user", "content": text}])
-    tokens = model.tokenize(text, add_special=True, parse_special=args.chat)
-    n_ctx, chunk = plan_context(policy, args.ctx_size, len(tokens), args.n_predict, args.chunk)
     session = Session(
-        model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads, flash_attn=args.flash_attn
-    )
-    with progress_bar(len(tokens), "prefill", min_total=2 * chunk) as bar:
-        session.feed(tokens, progress=bar)
+        Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts),
+        _policy_from_args(args), n_ctx=args.ctx_size, chunk=args.chunk, sampling=_sampling_from_args(args),
+        n_threads=args.threads, flash_attn=args.flash_attn,
+    )  # fmt: skip
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    out, stopped = session.generate(args.n_predict, on_text=on_text)
-    result = Generation(
-        text=model.detokenize(out),
-        prompt_tokens=len(tokens),
-        generated_tokens=len(out),
-        stopped=stopped,
-        cache=session.cache_report(len(tokens)),
-        timings=session.timings.as_dict(),
-    )
+    n_tokens = len(session.model.tokenize(text))  # for the progress bar only
+    with progress_bar(n_tokens, "prefill", min_total=2 * args.chunk) as bar:
+        result = session.generate(text, args.n_predict, chat=args.chat, on_text=on_text, progress=bar)
+    if result.cache["budget"] is not None and result.cache["evicted"] == 0:
+        print(f"kvlite: the prompt fits the budget ({result.prompt_tokens} tokens <= {result.cache['budget']}): "
+              "nothing was evicted", file=sys.stderr)  # fmt: skip
     if args.json:
         print(json.dumps(result.as_dict()))
     else:

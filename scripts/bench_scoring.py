@@ -26,6 +26,7 @@ import torch
 
 from kvlite.cache import KVCache
 from kvlite.engine import Capture, Context, Model
+from kvlite.haystack import haystack
 from kvlite.models import default_model_path
 from kvlite.native import native
 from kvlite.reference.scores import attn_pool as torch_pool
@@ -154,26 +155,6 @@ def bench_echokv_passes(model: Model, cache: KVCache, prefill_s: float, repeat: 
     print(f"(c) EchoKV scoring passes over {n} prompt tokens: {1e3 * t:.0f} ms = {100 * t / prefill_s:.2f}% "
           f"of its {prefill_s:.1f} s prefill (target <= 5%)", flush=True)  # fmt: skip
     return dict(prompt=n, passes_ms=1e3 * t, prefill_s=prefill_s, fraction=t / prefill_s)
-
-
-def haystack(n_paragraphs: int) -> list[str]:
-    """Paragraphs of prose from the standard library's docstrings (deterministic, offline)."""
-    import argparse as a
-    import collections as c
-    import json as j
-    import logging as lg
-    import pathlib as pl
-    import subprocess as sp
-    import textwrap as tw
-
-    paras = []
-    for mod in (a, c, j, lg, pl, sp, tw):
-        for obj in [mod, *[getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]]:
-            for p in (getattr(obj, "__doc__", None) or "").split("\n\n"):
-                p = " ".join(p.split())
-                if len(p) > 200 and sum(ch.isalpha() for ch in p) > 0.75 * len(p):
-                    paras.append(p)
-    return list(dict.fromkeys(paras))[:n_paragraphs]
 
 
 def bench_needle_ranks(model: Model) -> list[dict]:

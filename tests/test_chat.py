@@ -15,11 +15,11 @@ from conftest import KVLITE
 from kvlite.chat import Conversation
 from kvlite.engine import Model
 from kvlite.policies import make_policy
-from kvlite.session import Session
+from kvlite.runner import Runner
 
 
-def consistent(session: Session) -> bool:
-    c = session.cache
+def consistent(runner: Runner) -> bool:
+    c = runner.cache
     return np.array_equal(c.positions(), c.llama_positions(0)) and len(c.llama_positions(1)) == 0
 
 
@@ -37,12 +37,12 @@ def after(n: int):
 @pytest.fixture()
 def conversation(tiny_paths):
     model = Model(tiny_paths["llama"])
-    session = Session(model, make_policy("streaming", budget=120, sinks=4), n_ctx=256, chunk=64)
-    return Conversation(session)
+    runner = Runner(model, make_policy("streaming", budget=120, sinks=4), n_ctx=256, chunk=64)
+    return Conversation(runner)
 
 
 def test_turns_feed_only_new_text_and_keep_the_budget(conversation):
-    s = conversation.session
+    s = conversation.runner
     reply1, _ = conversation.turn("first question " * 10, 8, None, lambda: False)
     n1 = s.cache.n_pos
     assert conversation.rendered.endswith(reply1)
@@ -54,7 +54,7 @@ def test_turns_feed_only_new_text_and_keep_the_budget(conversation):
 
 
 def test_interrupted_reply_keeps_cache_consistent(conversation):
-    s = conversation.session
+    s = conversation.runner
     reply, stopped = conversation.turn("hello there", 50, None, after(1 + 3))  # 1 feed check, 3 tokens
     assert stopped == "interrupted"
     assert s.timings.decode_tokens == 3 and reply
@@ -64,7 +64,7 @@ def test_interrupted_reply_keeps_cache_consistent(conversation):
 
 
 def test_interrupted_prefill_forgets_the_turn(conversation):
-    s = conversation.session
+    s = conversation.runner
     conversation.turn("hello", 4, None, lambda: False)
     before = (s.cache.n_pos, s.cache.positions().tolist(), conversation.rendered, len(conversation.messages))
     reply, stopped = conversation.turn("x" * 400, 4, None, after(2))  # stops after the 2nd chunk

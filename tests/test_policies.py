@@ -8,7 +8,7 @@ import pytest
 
 from kvlite.errors import KvliteError
 from kvlite.policies import POLICIES, make_policy
-from kvlite.session import Session, plan_context
+from kvlite.runner import Runner, plan_context
 
 SCORED = [name for name in POLICIES if name not in ("full", "streaming")]
 
@@ -18,24 +18,24 @@ def _run(model, name, n_prompt=300, budget=64, **params):
     tokens = [int(t) for t in rng.integers(3, model.n_vocab, size=n_prompt)]
     policy = make_policy(name, budget=budget, sinks=4, **params)
     n_ctx, chunk = plan_context(policy, 0, len(tokens), 8, 128)
-    session = Session(model, policy, n_ctx=n_ctx, chunk=chunk)
-    assert session.feed(tokens)
-    return session, policy
+    runner = Runner(model, policy, n_ctx=n_ctx, chunk=chunk)
+    assert runner.feed(tokens)
+    return runner, policy
 
 
 @pytest.mark.parametrize("name", SCORED)
 def test_policy_keeps_budget_and_protected_tokens(tiny_model, name):
-    session, policy = _run(tiny_model, name, lookahead=4, workspace=128)
-    kept = session.cache.positions()
+    runner, policy = _run(tiny_model, name, lookahead=4, workspace=128)
+    kept = runner.cache.positions()
     assert len(kept) == policy.budget
     assert set(range(4)) <= set(kept.tolist()) and kept[-1] == 299
     if policy.window:
         assert set(range(300 - policy.window, 300)) <= set(kept.tolist())
-    assert not session.cache.workspace_active
-    assert np.array_equal(session.cache.llama_positions(0), kept)
-    assert len(session.cache.llama_positions(1)) == 0
-    out, _ = session.generate(4)  # the cache still decodes after the eviction
-    assert np.array_equal(session.cache.llama_positions(0), session.cache.positions())
+    assert not runner.cache.workspace_active
+    assert np.array_equal(runner.cache.llama_positions(0), kept)
+    assert len(runner.cache.llama_positions(1)) == 0
+    out, _ = runner.generate(4)  # the cache still decodes after the eviction
+    assert np.array_equal(runner.cache.llama_positions(0), runner.cache.positions())
 
 
 def test_echokv_and_laq_spend_the_same_workspace_passes(tiny_model):
@@ -66,5 +66,37 @@ def test_bad_parameters(name, params, message):
 
 
 def test_budget_larger_than_prompt_evicts_nothing(tiny_model):
-    session, _ = _run(tiny_model, "echokv", n_prompt=40, budget=64, lookahead=4, workspace=128)
-    assert session.cache.evicted == 0 and len(session.cache.positions()) == 40
+    runner, _ = _run(tiny_model, "echokv", n_prompt=40, budget=64, lookahead=4, workspace=128)
+    assert runner.cache.evicted == 0 and len(runner.cache.positions()) == 40
+
+
+@pytest.mark.parametrize("name", SCORED)
+def test_generation_after_eviction_matches_the_reference(tiny_paths, name):
+    """Greedy generation on the kept cells equals the torch reference's on the same cells (f32
+    model, f32 cache: the same tokens)."""
+    import torch
+
+    from kvlite.engine import Model
+    from kvlite.reference.model import ReferenceModel
+
+    path = tiny_paths["llama"]
+    model = Model(path)
+    rng = np.random.default_rng(1)
+    tokens = [int(t) for t in rng.integers(3, model.n_vocab, size=200)]
+    policy = make_policy(name, budget=48, sinks=4, lookahead=4, workspace=96)
+    n_ctx, chunk = plan_context(policy, 0, len(tokens), 8, 64)
+    runner = Runner(model, policy, n_ctx=n_ctx, chunk=chunk, kv_type="f32")
+    runner.feed(tokens)
+    kept = runner.cache.positions().tolist()
+    out, _ = runner.generate(8)
+
+    ref = ReferenceModel(path)
+    cache = ref.new_cache()
+    logits = ref.forward(tokens, range(len(tokens)), cache)[-1]
+    cache.keep(kept)
+    want = []
+    for i in range(len(out)):
+        t = int(torch.argmax(logits))
+        want.append(t)
+        logits = ref.forward([t], [len(tokens) + i], cache)[-1]
+    assert out == want

@@ -28,4 +28,7 @@ def make_policy(name: str, **params) -> Policy:
     return policy
 
 
-__all__ = ["POLICIES", "FullKV", "Policy", "StreamingLLM", "make_policy"]
+__all__ = [
+    "H2O", "LAQ", "POLICIES", "TOVA", "CounterCausal", "CounterCausalFast", "DapQ", "EchoKV", "FullKV", "Policy",
+    "SnapKV", "StreamingLLM", "make_policy",
+]  # fmt: skip

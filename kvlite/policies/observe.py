@@ -1,6 +1,6 @@
 """What a policy may look at when it scores the live cache, and the lookahead mechanics written once.
 
-An Observation is made by the session at an eviction point. Each piece (cached keys, the last
+An Observation is made by the runner at an eviction point. Each piece (cached keys, the last
 prompt queries, pooled attention, counter-causal logits, lookahead queries) is computed when a
 policy first asks for it, from what llama.cpp holds.
 """
@@ -19,14 +19,14 @@ from ..scoring.aggregate import aggregate
 from ..scoring.proposals import proposals
 
 if TYPE_CHECKING:
-    from ..session import Session
+    from ..runner import Runner
 
 
 class Observation:
-    def __init__(self, session: Session):
-        self.session = session
-        self.cache = session.cache
-        self.info = session.model.info
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.cache = runner.cache
+        self.info = runner.model.info
         self.positions = self.cache.positions()  # resident live positions, ascending: what scores index
         self.workspace_forward_passes = 0
         self.next_logits: np.ndarray | None = None  # the prompt's own, saved before a lookahead overwrites them
@@ -44,9 +44,9 @@ class Observation:
 
     def last_queries(self, n: int, kind: str = "q") -> np.ndarray:
         """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D]."""
-        rows = self.session.observed.get(kind)
+        rows = self.runner.observed.get(kind)
         if rows is None or rows.shape[1] < n:
-            raise KvliteError(f"the session did not capture {kind} of the last {n} tokens")
+            raise KvliteError(f"the runner did not capture {kind} of the last {n} tokens")
         return np.ascontiguousarray(rows[:, -n:].transpose(0, 2, 1, 3))
 
     def pooled(self, queries: np.ndarray, pool_kernel: int = 0) -> np.ndarray:
@@ -78,12 +78,12 @@ class Lookahead:
 
     def __init__(self, obs: Observation, prompt_view: np.ndarray):
         self.obs = obs
-        session = obs.session
-        if session.capture is None or not session.capture.wants("q", 0):
-            raise KvliteError("lookahead needs a session capturing queries")
-        self.cache = session.cache
-        self.capture: Capture = session.capture
-        self.ctx = session.ctx
+        runner = obs.runner
+        if runner.capture is None or not runner.capture.wants("q", 0):
+            raise KvliteError("lookahead needs a runner capturing queries")
+        self.cache = runner.cache
+        self.capture: Capture = runner.capture
+        self.ctx = runner.ctx
         last = self.cache.n_pos - 1
         self.cache.workspace_create(sorted(set(np.asarray(prompt_view).tolist()) | {last}))
         if obs.next_logits is None:

@@ -70,7 +70,7 @@ class Generation:
         return dataclasses.asdict(self)
 
 
-class Session:
+class Runner:
     """Feeds text through one context under one policy. Interrupting (the `interrupted` callable
     returning True) stops between tokens or chunks, never inside llama.cpp, so the cache stays
     consistent."""
@@ -84,6 +84,7 @@ class Session:
         sampling: SamplingParams | None = None,
         n_threads: int | None = None,
         flash_attn: bool = False,
+        kv_type: str = "f16",
     ):
         self.model = model
         self.policy = policy or FullKV()
@@ -93,7 +94,13 @@ class Session:
         if self.capture is not None and flash_attn:
             raise KvliteError(f"--policy {self.policy.name} observes attention: drop --flash-attn")
         self.ctx = Context(
-            model, n_ctx, n_batch=chunk, n_threads=n_threads, flash_attn=flash_attn, capture=self.capture
+            model,
+            n_ctx,
+            n_batch=chunk,
+            n_threads=n_threads,
+            flash_attn=flash_attn,
+            kv_type=kv_type,
+            capture=self.capture,
         )
         hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
         self.cache = KVCache(self.ctx, hidden_layer=hidden_layer)

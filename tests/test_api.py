@@ -1,0 +1,35 @@
+"""The Python API, and the behaviour the lookahead policies exist for."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvlite
+from kvlite.haystack import needle_prompt
+
+
+def test_session_generate_and_chat_on_tiny_model(tiny_paths):
+    s = kvlite.Session(tiny_paths["llama"], policy=kvlite.EchoKV(budget=48, lookahead=4, workspace=64))
+    g = s.generate("abcdefgh" * 30, n_predict=6)
+    assert g.prompt_tokens >= 240 and g.cache["final_cells"] <= 48 + 6
+    assert g.cache["workspace_forward_passes"] == 4
+    r1 = s.chat("hello " * 40, n_predict=4)
+    r2 = s.chat("and again", n_predict=4)
+    assert isinstance(r1, str) and isinstance(r2, str)
+    s.reset()
+
+
+NEEDLE = "The locker code of Orla Bren is 54554."
+QUESTION = "What is the locker code of Orla Bren?"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,answers", [("echokv", True), ("laq", True), ("streaming", False)])
+def test_needle_at_budget_128(policy, answers):
+    """A code stated once at 20% depth of ~1.2K tokens, the question at the end (SmolLM2 answers it
+    with the full cache). Lookahead queries find it at budget 128; a recency window cannot."""
+    prompt = needle_prompt(14, 0.2, NEEDLE, QUESTION)
+    s = kvlite.Session(policy=kvlite.make_policy(policy, budget=128))
+    g = s.generate(prompt, n_predict=24, chat=True)
+    assert g.prompt_tokens > 1000 and g.cache["final_cells"] <= 128 + 24
+    assert ("54554" in g.text) == answers, g.text
