@@ -46,7 +46,16 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aggregate", default=None, help="per-(layer, head) scores to one per token: mean, max, votes")
     p.add_argument("--surprise", default=None, help="counter-causal score: raw (the paper's logit) or logprob")
     p.add_argument("--min-gap", type=int, default=None, help="counter-causal: nearest later tokens not attended")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per decode call)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk; in chunked mode also the refresh interval h")
+    p.add_argument(
+        "--mode",
+        default=None,
+        choices=["prefill-end", "chunked"],
+        help="evict once after the prompt, or refresh every chunk (prefill and decode)",
+    )
+    p.add_argument(
+        "--cache", type=int, default=None, help="chunked mode's cache size J (sets --budget and --mode chunked)"
+    )
     p.add_argument("-fa", "--flash-attn", action="store_true",
                    help="flash attention (faster prefill; off by default: slower decode on CPU)")  # fmt: skip
 
@@ -77,10 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _policy_from_args(args):
     from .policies import make_policy
 
+    if args.cache is not None:
+        if args.budget is not None and args.budget != args.cache:
+            raise KvliteError("give the cache size with --cache or --budget, not both")
+        args.budget, args.mode = args.cache, "chunked"
     if args.policy != "full" and args.budget is None:
         raise KvliteError(f"--policy {args.policy} needs --budget N (KV cells to keep)")
     return make_policy(
-        args.policy, budget=args.budget, sinks=args.sinks, window=args.window, lookahead=args.lookahead,
+        args.policy, budget=args.budget, sinks=args.sinks, window=args.window, mode=args.mode, lookahead=args.lookahead,
         workspace=args.workspace, anchors=args.anchors, pool_kernel=args.pool_kernel, aggregation=args.aggregate,
         score=args.surprise, min_gap=args.min_gap,
     )  # fmt: skip

@@ -27,14 +27,19 @@ def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chun
         raise KvliteError(f"--chunk must be positive, got {chunk}")
     if policy.budget is not None and n_ctx and policy.budget >= n_ctx:
         raise KvliteError(f"--budget {policy.budget} does not fit in the context (-c {n_ctx}): lower it or raise -c")
+    extra = policy.lookahead_cells()
     if policy.continuous and policy.budget is not None:
+        if not policy.refresh_every_token and chunk > policy.budget:
+            raise KvliteError(f"--chunk {chunk} is larger than the cache (--budget/--cache {policy.budget}): lower it")
         if not n_ctx:
-            return policy.budget + chunk, chunk
-        return n_ctx, min(chunk, n_ctx - policy.budget)
-    need = n_tokens + max(n_predict, 0) + policy.lookahead_cells()
+            return policy.budget + chunk + extra, chunk
+        if n_ctx - policy.budget - extra <= 0:
+            raise KvliteError(f"-c {n_ctx} leaves no room for a chunk beside the cache and the lookahead: raise -c")
+        return n_ctx, min(chunk, n_ctx - policy.budget - extra)
+    need = n_tokens + max(n_predict, 0) + extra
     if not n_ctx:
         return max(need, 16), chunk
-    if n_tokens + policy.lookahead_cells() > n_ctx:
+    if n_tokens + extra > n_ctx:
         raise KvliteError(
             f"the prompt has {n_tokens} tokens and the context {n_ctx}: raise -c or use an evicting policy "
             "(e.g. --policy streaming --budget 512)"
@@ -170,8 +175,8 @@ class Runner:
         progress: Callable[[int], None] | None = None,
         interrupted: Callable[[], bool] = lambda: False,
     ) -> bool:
-        """Prefill tokens in chunks, evicting after each chunk for continuous policies. Returns
-        False if interrupted (the tokens fed so far stay)."""
+        """Prefill tokens in chunks (refreshing after each in chunked mode), then evict to the budget.
+        Returns False if interrupted (the tokens fed so far stay)."""
         if not tokens:
             raise KvliteError("nothing to feed: the prompt is empty")
         t0 = time.perf_counter()
@@ -182,12 +187,12 @@ class Runner:
                 if interrupted():
                     return False
                 piece = tokens[start : start + self.chunk]
-                if watching:
-                    self.capture.enabled = start + len(piece) > observe_from
+                if watching:  # chunked mode observes every chunk's last tokens
+                    self.capture.enabled = self.policy.continuous or start + len(piece) > observe_from
                 self.cache.append(piece, logits="last")
                 self.timings.prefill_tokens += len(piece)
                 if self.policy.continuous:
-                    self._evict_to_budget()
+                    self._refresh()
                 if progress:
                     progress(len(piece))
             if watching:
@@ -201,14 +206,24 @@ class Runner:
             self.kept_positions = self.cache.positions()
 
     def _keep_observed(self) -> None:
-        """Move the captured queries of the prompt's last tokens out of the capture."""
+        """Move the captured queries of the last tokens out of the capture (the policy's window of
+        them, older ones included when the newest chunk is shorter than the window)."""
         data = self.capture.data
         n_layer = self.model.info.n_layer
-        self.observed = {}
+        keep = max(self.policy.observed_tokens(), 1)
         for kind in ("q", "q_pre"):
             if (kind, 0) in data:
-                self.observed[kind] = np.stack([np.concatenate(data[(kind, il)]) for il in range(n_layer)])
+                rows = np.stack([np.concatenate(data[(kind, il)]) for il in range(n_layer)])
+                if kind in self.observed:
+                    rows = np.concatenate([self.observed[kind], rows], axis=1)
+                self.observed[kind] = rows[:, -keep:]
         self.capture.clear()
+
+    def _refresh(self) -> None:
+        """A chunked-mode eviction point."""
+        if self.capture is not None and not self.policy.needs_hidden:
+            self._keep_observed()
+        self._evict_to_budget()
 
     def generate(
         self,
@@ -222,6 +237,9 @@ class Runner:
         stream = self.model.text_stream()
         t0 = time.perf_counter()
         stopped = "length"
+        since_refresh = 0
+        every = 1 if self.policy.refresh_every_token else self.chunk
+        watching = self.policy.continuous and self.capture is not None and not self.policy.needs_hidden
         try:
             while len(out) < n_predict:
                 if interrupted():
@@ -242,11 +260,17 @@ class Runner:
                     on_text(stream.push(token))
                 # Decoded even when it is the last one: the cache then holds the whole reply,
                 # which the next chat turn continues from.
+                if watching:  # the queries of the tokens before the next refresh
+                    self.capture.enabled = every - since_refresh <= self.policy.observed_tokens()
                 self.cache.append([token], logits="last")
                 self.timings.decode_tokens += 1
-                if self.policy.continuous:
-                    self._evict_to_budget()
+                since_refresh += 1
+                if self.policy.continuous and since_refresh >= every:
+                    self._refresh()
+                    since_refresh = 0
         finally:
+            if watching:
+                self.capture.enabled = False
             self.timings.decode_s += time.perf_counter() - t0
             if on_text:
                 on_text(stream.flush())

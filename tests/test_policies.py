@@ -100,3 +100,27 @@ def test_generation_after_eviction_matches_the_reference(tiny_paths, name):
         want.append(t)
         logits = ref.forward([t], [len(tokens) + i], cache)[-1]
     assert out == want
+
+
+@pytest.mark.parametrize("name", SCORED)
+def test_chunked_mode_bounds_the_cache(tiny_model, name):
+    """Refresh every chunk of prompt and of generation: a prompt 4x the context runs in budget +
+    chunk (+ lookahead) cells, and llama.cpp agrees on what is resident after every refresh."""
+    rng = np.random.default_rng(2)
+    tokens = [int(t) for t in rng.integers(3, tiny_model.n_vocab, size=1100)]
+    policy = make_policy(name, budget=160, sinks=4, mode="chunked", lookahead=4, workspace=192)
+    n_ctx, chunk = plan_context(policy, 0, len(tokens), 40, 64)
+    runner = Runner(tiny_model, policy, n_ctx=n_ctx, chunk=chunk)
+    assert len(tokens) >= 4 * runner.ctx.n_ctx
+    runner.feed(tokens)
+    assert len(runner.cache.positions()) == 160
+    out, _ = runner.generate(40)
+    assert runner.cache.max_cells <= 160 + 64 + policy.lookahead_cells()
+    assert len(runner.cache.positions()) <= 160 + 64
+    assert np.array_equal(runner.cache.llama_positions(0), runner.cache.positions())
+
+
+def test_chunk_larger_than_cache_is_refused():
+    policy = make_policy("snapkv", budget=64, mode="chunked")
+    with pytest.raises(KvliteError, match="larger than the cache"):
+        plan_context(policy, 0, 1000, 8, 128)

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from .observe import Observation
 
 
+MODES = ("prefill-end", "chunked")
+
+
 @dataclasses.dataclass
 class Policy:
     """budget: cells kept on the live sequence after an eviction, protected ones included
@@ -24,12 +27,19 @@ class Policy:
     budget: int | None = None
     sinks: int = 4
     window: int = 0
+    # "prefill-end": evict once, when the prompt (or a chat turn) has been read.
+    # "chunked": refresh every chunk of prompt and every `chunk` generated tokens whenever the
+    # cache exceeds the budget (the counter-causal paper's cache J), so memory is bounded by
+    # budget + chunk whatever the prompt length.
+    mode: str = "prefill-end"
 
     name: ClassVar[str] = ""
-    # True: evict whenever the cache exceeds the budget, while the prompt is fed (in chunks) and
-    # while generating, so memory is bounded by budget + chunk whatever the prompt length.
-    # False: evict once, when the prompt (or a chat turn) has been read.
-    continuous: ClassVar[bool] = False
+    refresh_every_token: ClassVar[bool] = False  # chunked: also refresh after every generated token
+
+    @property
+    def continuous(self) -> bool:
+        return self.mode == "chunked"
+
     # What the session must capture while the prompt is read: the queries of its last
     # `observed_tokens()` tokens, and/or the hidden states entering the last layer.
     needs_hidden: ClassVar[bool] = False
@@ -42,6 +52,10 @@ class Policy:
         return 0
 
     def validate(self) -> None:
+        if self.mode not in MODES:
+            raise KvliteError(f"--mode must be one of {', '.join(MODES)}, got '{self.mode}'")
+        if self.continuous and self.budget is None and self.name != "full":
+            raise KvliteError("chunked mode needs a cache size: --cache J (or --budget)")
         if self.sinks < 0 or self.window < 0:
             raise KvliteError(f"--sinks and --window must be >= 0, got {self.sinks} and {self.window}")
         if self.budget is None:

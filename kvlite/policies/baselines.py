@@ -17,8 +17,8 @@ class FullKV(Policy):
     name = "full"
 
     def validate(self) -> None:
+        self.budget, self.mode = None, "prefill-end"
         super().validate()
-        self.budget = None
 
     def scores(self, obs: Observation) -> np.ndarray:
         return np.zeros(len(obs.positions))
@@ -29,7 +29,8 @@ class StreamingLLM(Policy):
     """StreamingLLM (Xiao et al., 2024): attention sinks plus a window of the most recent tokens."""
 
     name = "streaming"
-    continuous = True
+    mode: str = "chunked"
+    refresh_every_token = True  # scoring is free: the window slides token by token
 
     def scores(self, obs: Observation) -> np.ndarray:
         return obs.positions.astype(np.float64)  # later is better
