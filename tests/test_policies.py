@@ -124,3 +124,33 @@ def test_chunk_larger_than_cache_is_refused():
     policy = make_policy("snapkv", budget=64, mode="chunked")
     with pytest.raises(KvliteError, match="larger than the cache"):
         plan_context(policy, 0, 1000, 8, 128)
+
+
+@pytest.mark.parametrize("name", SCORED)
+def test_policies_on_tiny_qwen2(tiny_paths, name):
+    from kvlite.engine import Model
+
+    runner, policy = _run(Model(tiny_paths["qwen2"]), name, lookahead=4, workspace=128)
+    kept = runner.cache.positions()
+    assert len(kept) == policy.budget and set(range(4)) <= set(kept.tolist())
+    assert np.array_equal(runner.cache.llama_positions(0), kept)
+
+
+@pytest.mark.slow
+def test_every_policy_on_smollm2(smol_model):
+    """The real model: each policy keeps its budget and protected tokens, leaves no workspace,
+    and llama.cpp agrees on what is resident."""
+    from kvlite.haystack import haystack
+
+    tokens = smol_model.tokenize("\n\n".join(haystack(8)))[:600]
+    for name in SCORED:
+        policy = make_policy(name, budget=128, sinks=4)
+        n_ctx, chunk = plan_context(policy, 0, len(tokens), 4, 512)
+        runner = Runner(smol_model, policy, n_ctx=n_ctx, chunk=chunk)
+        runner.feed(tokens)
+        kept = runner.cache.positions()
+        assert len(kept) == 128 and set(range(4)) <= set(kept.tolist()) and kept[-1] == len(tokens) - 1, name
+        assert not runner.cache.workspace_active and len(runner.cache.llama_positions(1)) == 0, name
+        assert np.array_equal(runner.cache.llama_positions(0), kept), name
+        assert runner.workspace_forward_passes == (16 if name in ("echokv", "laq") else 0), name
+        runner.close()

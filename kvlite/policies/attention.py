@@ -33,56 +33,55 @@ class AttentionPolicy(Policy):
 
 
 @dataclasses.dataclass
-class SnapKV(AttentionPolicy):
-    """SnapKV (Li et al., 2024): the last `observation` prompt queries, smoothed; the observation
-    window itself is kept (window defaults to it)."""
+class LastQueries(AttentionPolicy):
+    """Scores by the attention of the last `observation` queries of what was fed."""
+
+    observation: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        if self.observation <= 0:
+            raise KvliteError(f"the observation window must be positive, got {self.observation}")
+
+    def observed_tokens(self) -> int:
+        return self.observation
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        return self.score_queries(obs, obs.last_queries(self.observation))
+
+
+@dataclasses.dataclass
+class SnapKV(LastQueries):
+    """SnapKV (Li et al., 2024): the last 32 prompt queries, smoothed by a max-pool of 7; the
+    observation window itself is kept (window defaults to it)."""
 
     name = "snapkv"
-    observation: int = 32
 
     def __post_init__(self):
         self.window = self.window or self.observation
 
-    def observed_tokens(self) -> int:
-        return self.observation
-
-    def scores(self, obs: Observation) -> np.ndarray:
-        return self.score_queries(obs, obs.last_queries(self.observation))
-
 
 @dataclasses.dataclass
-class TOVA(AttentionPolicy):
+class TOVA(LastQueries):
     """TOVA (Oren et al., 2024): the attention of the last token only."""
 
     name = "tova"
+    observation: int = 1
     pool_kernel: int = 0
-
-    def observed_tokens(self) -> int:
-        return 1
-
-    def scores(self, obs: Observation) -> np.ndarray:
-        return self.score_queries(obs, obs.last_queries(1))
 
 
 @dataclasses.dataclass
-class H2O(AttentionPolicy):
-    """H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus a recent window.
-    At the end of a prompt the attention accumulated is that of its last `observation` queries
-    (kvlite has no full prefill attention matrix; see docs)."""
+class H2O(LastQueries):
+    """H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus a recent window of
+    half the budget. At an eviction point the attention accumulated is that of the last 32 queries
+    (kvlite has no full prefill attention matrix; docs/policies.md)."""
 
     name = "h2o"
     pool_kernel: int = 0
-    observation: int = 32
     aggregation: str = "mean"
 
     def __post_init__(self):
         self.window = self.window or (self.budget // 2 if self.budget else 0)
-
-    def observed_tokens(self) -> int:
-        return self.observation
-
-    def scores(self, obs: Observation) -> np.ndarray:
-        return self.score_queries(obs, obs.last_queries(self.observation))
 
 
 @dataclasses.dataclass
