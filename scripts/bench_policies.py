@@ -78,17 +78,31 @@ def chunked_run(prompt_file: str, name: str, cache: int, n_ctx: int) -> dict:
     kvlite = pathlib.Path(sys.executable).parent / "kvlite"
     cmd = [str(kvlite), "generate", "-f", prompt_file, "-n", "16", "--json", "--policy", name,
            "--cache", str(cache), "--chunk", "512", "-c", str(n_ctx)]  # fmt: skip
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
-        out = proc.stdout.read()
-        _, status, usage = os.wait4(proc.pid, 0)  # reap it ourselves: its rusage is its own
-        proc.returncode = os.waitstatus_to_exitcode(status)
+    # The child's peak RSS is read from /proc while it runs: getrusage's ru_maxrss of a child
+    # counts the parent's RSS at fork time (Linux keeps the high-water mark across exec).
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        peak_kb = 0
+        while proc.poll() is None:
+            peak_kb = max(peak_kb, _vm_hwm_kb(proc.pid))
+            time.sleep(0.2)
         if proc.returncode != 0:
             err.seek(0)
             raise SystemExit(f"{' '.join(cmd)} failed: {err.read().decode().strip()}")
-    result = json.loads(out)
+        out.seek(0)
+        result = json.loads(out.read())
     return dict(max_cells=result["cache"]["max_cells"], prompt=result["prompt_tokens"],
-                seconds=result["timings"]["prefill_s"], rss_mb=usage.ru_maxrss / 1024)  # fmt: skip
+                seconds=result["timings"]["prefill_s"], rss_mb=peak_kb / 1024)  # fmt: skip
+
+
+def _vm_hwm_kb(pid: int) -> int:
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass  # it just exited
+    return 0
 
 
 def bench_chunked(model: Model, policies: list[str], long: int, n_ctx: int) -> list[dict]:
@@ -112,7 +126,7 @@ def bench_chunked(model: Model, policies: list[str], long: int, n_ctx: int) -> l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="4096,8192")
+    ap.add_argument("--lengths", default="4096,8192", help="prompt lengths of (a, b); empty: skip them")
     ap.add_argument("--policies", default=ALL)
     ap.add_argument(
         "--long-policies", default="full,echokv,laq,streaming", help="the policies run at the longest length"
@@ -125,7 +139,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     model = Model(default_model_path())
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",") if x]
     out = {"ttft": []}
     for i, n in enumerate(lengths):
         names = args.policies.split(",") if i == 0 else args.long_policies.split(",")
