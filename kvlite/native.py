@@ -21,7 +21,6 @@ _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
 MASKED = -1e30  # additive logit of a key outside the softmax: exp underflows to exactly 0, no inf - inf
-DEFAULT_POOL_CHUNK = 4096  # keys per chunk of attn_pool: bounds its memory for long prompts
 
 
 class HParams(ctypes.Structure):
@@ -80,7 +79,7 @@ class Native:
         lib.kvl_counter_causal.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5
         lib.kvl_counter_causal.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.kvl_capture_new.restype = ctypes.c_void_p
-        for fn in (lib.kvl_capture_free, lib.kvl_capture_clear, lib.kvl_capture_forget):
+        for fn in (lib.kvl_capture_free, lib.kvl_capture_clear):
             fn.argtypes = [ctypes.c_void_p]
         lib.kvl_capture_drop.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.kvl_capture_want.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
@@ -110,7 +109,7 @@ class Native:
         k: np.ndarray,
         scale: float | None = None,
         key_mask: np.ndarray | None = None,
-        chunk: int = DEFAULT_POOL_CHUNK,
+        chunk: int = 0,
         pool_kernel: int = 0,
     ) -> np.ndarray:
         """EchoKV Eq. 3 per layer and KV group.
@@ -118,7 +117,8 @@ class Native:
         q: [n_layer, n_head, n_q, head_dim] float32 (post-RoPE queries);
         k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score);
         key_mask: bool [n_keys], False for keys outside the softmax (they score 0);
-        chunk: keys per chunk, bounding memory (0: all at once); pool_kernel: odd max-pool width
+        chunk: keys per chunk (0: one chunk per layer while its logits stay under 64 MB, the
+        fastest: 16K keys ran ~2x faster in one chunk than in chunks of 4K); pool_kernel: odd max-pool width
         smoothing the pooled scores along the keys (SnapKV), 0 for none.
         Returns [n_layer, n_head_kv, n_keys]: each key's softmax probability summed over the
         queries of its group (a query head h reads KV head h // (n_head // n_head_kv)).

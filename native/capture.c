@@ -55,11 +55,6 @@ int kvl_capture_want(struct kvl_capture * c, const char * name, const char * op)
     return c->n_want++;
 }
 
-void kvl_capture_forget(struct kvl_capture * c) {
-    kvl_capture_clear(c);
-    c->n_want = 0;
-}
-
 void kvl_capture_enable(struct kvl_capture * c, int on) { c->enabled = on; }
 
 static int kvl_match(const struct kvl_capture * c, const struct ggml_tensor * t) {

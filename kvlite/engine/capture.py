@@ -63,11 +63,6 @@ class Capture:
                 raise ValueError("too many capture requests")
             self._wants.append((kind, il))
 
-    def forget(self) -> None:
-        """Stop asking for anything and drop what was captured."""
-        self._lib.kvl_capture_forget(self.ptr)
-        self._wants.clear()
-
     def clear(self) -> None:
         self._lib.kvl_capture_clear(self.ptr)
 

@@ -67,7 +67,3 @@ class Sampler:
 
     def __del__(self) -> None:
         self.close()
-
-
-def greedy(logits: np.ndarray) -> int:
-    return int(np.argmax(logits))
