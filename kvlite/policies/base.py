@@ -40,7 +40,7 @@ class Policy:
     def continuous(self) -> bool:
         return self.mode == "chunked"
 
-    # What the session must capture while the prompt is read: the queries of its last
+    # What the runner must capture while the prompt is read: the queries of its last
     # `observed_tokens()` tokens, and/or the hidden states entering the last layer.
     needs_hidden: ClassVar[bool] = False
 
