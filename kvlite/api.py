@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .engine import Model, SamplingParams
 from .models import resolve_model
 from .policies import FullKV, Policy
 from .runner import DEFAULT_CHUNK, Generation, Runner, plan_context
+
+if TYPE_CHECKING:
+    from .chat import Conversation
 
 
 class Session:
@@ -48,10 +52,12 @@ class Session:
         n_predict: int = 128,
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
-        progress: Callable[[int], None] | None = None,
+        progress: bool = False,
     ) -> Generation:
-        """Complete one prompt on a fresh cache (chat=True wraps it as a user turn of the template)."""
+        """Complete one prompt on a fresh cache (chat=True wraps it as a user turn of the template).
+        progress: a prefill progress bar on stderr when it is a terminal."""
         from .errors import KvliteError
+        from .progress import progress_bar
 
         if not prompt.strip():
             raise KvliteError("the prompt is empty")
@@ -61,7 +67,8 @@ class Session:
         tokens = self.model.tokenize(text, add_special=True, parse_special=chat)
         runner = self._runner(self.n_ctx, len(tokens), n_predict)
         try:
-            runner.feed(tokens, progress=progress)
+            with progress_bar(len(tokens) if progress else 0, "prefill", min_total=max(1, 2 * runner.chunk)) as bar:
+                runner.feed(tokens, progress=bar)
             out, stopped = runner.generate(n_predict, on_text=on_text)
             return Generation(
                 text=self.model.detokenize(out),
@@ -74,13 +81,18 @@ class Session:
         finally:
             runner.close()
 
-    def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
-        """One turn of a conversation; the cache (compressed by the policy) carries over."""
+    def conversation(self, system: str | None = None) -> Conversation:
+        """A new conversation on its own context: 4096 cells unless the policy evicts continuously
+        (then budget + chunk) or n_ctx says otherwise."""
         from .chat import CHAT_CTX, Conversation
 
+        n_ctx = self.n_ctx or (0 if self.policy.continuous else CHAT_CTX)
+        return Conversation(self._runner(n_ctx, 0, 0), system=system)
+
+    def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
+        """One turn of a conversation; the cache (compressed by the policy) carries over."""
         if self._conversation is None:
-            n_ctx = self.n_ctx or (0 if self.policy.continuous else CHAT_CTX)
-            self._conversation = Conversation(self._runner(n_ctx, 0, 0))
+            self._conversation = self.conversation()
         reply, _ = self._conversation.turn(message, n_predict, on_text, lambda: False)
         return reply
 

@@ -16,7 +16,7 @@ from .policies import Policy
 from .progress import progress_bar
 from .runner import Runner
 
-CHAT_CTX = 4096  # the context of a conversation that is never evicted
+CHAT_CTX = 4096  # a conversation's length is unknown: the context of one not evicted continuously
 
 HELP = "/reset clears the conversation, /stats shows the cache, /quit leaves (or Ctrl-D)"
 
@@ -96,18 +96,14 @@ def sigint_flag() -> Iterator[list[bool]]:
 
 
 def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
-    from .runner import plan_context
+    from .api import Session
 
     model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
     if model.chat_template is None:
         raise KvliteError(f"{model.path.name} has no chat template: use `kvlite generate`")
-    # A conversation's length is unknown: without continuous eviction, give it a 4096-cell context.
-    n_ctx = args.ctx_size or (0 if policy.continuous else CHAT_CTX)
-    n_ctx, chunk = plan_context(policy, n_ctx, 0, 0, args.chunk)
-    runner = Runner(
-        model, policy, n_ctx=n_ctx, chunk=chunk, sampling=sampling, n_threads=args.threads, flash_attn=args.flash_attn
-    )
-    conv = Conversation(runner, system=args.system)
+    session = Session(model, policy, n_ctx=args.ctx_size, chunk=args.chunk, sampling=sampling,
+                      n_threads=args.threads, flash_attn=args.flash_attn)  # fmt: skip
+    conv = session.conversation(system=args.system)
     interactive = sys.stdin.isatty()
     print(f"kvlite chat: {model.info.name}, policy {policy.name}. {HELP}", file=sys.stderr)
     while True:

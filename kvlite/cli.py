@@ -143,7 +143,6 @@ def cmd_generate(args) -> int:
     from .api import Session
     from .engine import Model
     from .models import resolve_model
-    from .progress import progress_bar
 
     text = _read_prompt(args)
     session = Session(
@@ -152,9 +151,7 @@ def cmd_generate(args) -> int:
         n_threads=args.threads, flash_attn=args.flash_attn,
     )  # fmt: skip
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    n_tokens = len(session.model.tokenize(text))  # for the progress bar only
-    with progress_bar(n_tokens, "prefill", min_total=2 * args.chunk) as bar:
-        result = session.generate(text, args.n_predict, chat=args.chat, on_text=on_text, progress=bar)
+    result = session.generate(text, args.n_predict, chat=args.chat, on_text=on_text, progress=True)
     if result.cache["budget"] is not None and result.cache["evicted"] == 0:
         print(f"kvlite: the prompt fits the budget ({result.prompt_tokens} tokens <= {result.cache['budget']}): "
               "nothing was evicted", file=sys.stderr)  # fmt: skip

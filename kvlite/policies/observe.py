@@ -94,7 +94,8 @@ class Lookahead:
     def view(self, prompt_view: np.ndarray) -> None:
         """Swap the prompt part of the workspace; lookahead tokens decoded so far stay."""
         want = set(np.asarray(prompt_view).tolist()) | {self.cache.n_pos - 1}
-        have = set(self.cache.positions(1)[self.cache.positions(1) < self.cache.n_pos].tolist())
+        viewed = self.cache.positions(1)
+        have = set(viewed[viewed < self.cache.n_pos].tolist())
         self.cache.workspace_add(sorted(want - have))
         self.cache.workspace_remove(sorted(have - want))
 
