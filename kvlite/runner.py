@@ -96,6 +96,9 @@ class Runner:
         self.policy.validate()
         self.chunk = chunk
         self.capture = self._capture_for(self.policy)
+        # The capture is switched on and off around the tokens whose queries the policy reads
+        # (a hidden-state capture stays on: every token's row is kept).
+        self.watches_queries = self.capture is not None and not self.policy.needs_hidden
         if self.capture is not None and flash_attn:
             raise KvliteError(f"--policy {self.policy.name} observes attention: drop --flash-attn")
         self.ctx = Context(
@@ -181,7 +184,7 @@ class Runner:
             raise KvliteError("nothing to feed: the prompt is empty")
         t0 = time.perf_counter()
         observe_from = len(tokens) - self.policy.observed_tokens() if self.policy.observed_tokens() else len(tokens)
-        watching = self.capture is not None and not self.policy.needs_hidden
+        watching = self.watches_queries
         try:
             for start in range(0, len(tokens), self.chunk):
                 if interrupted():
@@ -221,7 +224,7 @@ class Runner:
 
     def _refresh(self) -> None:
         """A chunked-mode eviction point."""
-        if self.capture is not None and not self.policy.needs_hidden:
+        if self.watches_queries:
             self._keep_observed()
         self._evict_to_budget()
 
@@ -239,7 +242,7 @@ class Runner:
         stopped = "length"
         since_refresh = 0
         every = 1 if self.policy.refresh_every_token else self.chunk
-        watching = self.policy.continuous and self.capture is not None and not self.policy.needs_hidden
+        watching = self.policy.continuous and self.watches_queries
         try:
             while len(out) < n_predict:
                 if interrupted():
