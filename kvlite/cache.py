@@ -67,16 +67,22 @@ class KVCache:
     def read_kv(self, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The live sequence's cached keys and values as llama.cpp holds them (state export, never
         recomputed): positions [n] ascending, K and V [len(layers), n, n_head_kv * head_dim]."""
-        if self.workspace_active:
-            raise KvliteError("drop the workspace before reading the live cache")
-        streams = [s for s in kvstate.parse(self.ctx.state_get(LIVE)).streams if s is not None]
-        if len(streams) != 1:
-            raise KvliteError(f"expected one KV stream, found {len(streams)}")
-        st = streams[0]
+        _, _, st = self._live_state("reading the live cache")
         order = np.argsort(st.pos, kind="stable")
         k = np.stack([st.k[il][order] for il in layers])
         v = np.stack([np.ascontiguousarray(st.v[il][order]) for il in layers])
         return st.pos[order], k, v
+
+    def _live_state(self, purpose: str) -> tuple[bytes, kvstate.SeqState, kvstate.Stream]:
+        """The live sequence's state blob, parsed, and its one KV stream (kv_unified)."""
+        if self.workspace_active:
+            raise KvliteError(f"drop the workspace before {purpose}")
+        blob = self.ctx.state_get(LIVE)
+        state = kvstate.parse(blob)
+        streams = [s for s in state.streams if s is not None]
+        if len(streams) != 1:
+            raise KvliteError(f"{purpose} expects one KV stream, found {len(streams)}")
+        return blob, state, streams[0]
 
     def llama_positions(self, seq_id: int) -> np.ndarray:
         """The positions llama.cpp itself holds for a sequence, read from its state export."""
@@ -145,14 +151,7 @@ class KVCache:
 
         Exports the live sequence, clears the pool and loads it back. Cached values are copied
         bit for bit, so only the speed changes."""
-        if self.workspace_active:
-            raise KvliteError("drop the workspace before compacting")
-        blob = self.ctx.state_get(LIVE)
-        state = kvstate.parse(blob)
-        streams = [s for s in state.streams if s is not None]
-        if len(streams) != 1:
-            raise KvliteError(f"compaction expects one KV stream, found {len(streams)}")
-        st = streams[0]
+        blob, state, st = self._live_state("compacting")
         ordered = st.take(np.argsort(st.pos, kind="stable"))
         state.streams = [ordered if s is not None else None for s in state.streams]
         self.ctx.clear()
