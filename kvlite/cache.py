@@ -8,6 +8,7 @@ pos_max + 1, so the token buffer is indexed by position.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -25,6 +26,17 @@ def runs(positions: np.ndarray) -> list[tuple[int, int]]:
     starts = np.concatenate([[0], breaks])
     ends = np.concatenate([breaks, [len(p)]])
     return [(int(p[s]), int(p[e - 1]) + 1) for s, e in zip(starts, ends)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The live sequence as it was: llama.cpp's state blob and kvlite's bookkeeping beside it."""
+
+    blob: bytes
+    tokens: tuple[int, ...]
+    live: np.ndarray
+    hidden: np.ndarray | None
+    hidden_layer: int | None
 
 
 class KVCache:
@@ -217,6 +229,26 @@ class KVCache:
             raise KvliteError("no workspace: create one first")
 
     # -- whole cache ----------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The live sequence, to be restored later into this or another context of the same model
+        (an evaluation reads a prompt once and replays it under every policy)."""
+        if self.workspace_active:
+            raise KvliteError("drop the workspace before taking a snapshot")
+        hidden = None if self.hidden is None else self.hidden.copy()
+        return Snapshot(self.ctx.state_get(LIVE), tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Replace the whole cache with a snapshot's live sequence."""
+        if self.hidden_layer is not None and snap.hidden_layer != self.hidden_layer:
+            raise KvliteError(f"this cache keeps hidden states of layer {self.hidden_layer}; the snapshot does not")
+        self.reset()
+        self.ctx.state_set(snap.blob, LIVE)
+        self.tokens = list(snap.tokens)
+        self._live = snap.live.copy()
+        self._ws_prompt = np.zeros_like(self._live)
+        self.hidden = None if self.hidden_layer is None else snap.hidden.copy()
+        self._note_cells()
+
     def reset(self) -> None:
         self.ctx.clear()
         self.__init__(self.ctx, self.hidden_layer)

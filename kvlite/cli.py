@@ -1,4 +1,4 @@
-"""`kvlite info | generate | chat`: llama.cpp-style flags, one-line errors, --json for scripts."""
+"""`kvlite info | generate | chat | eval`: llama.cpp-style flags, one-line errors, --json for scripts."""
 
 from __future__ import annotations
 
@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(n_predict=256)
     p.add_argument("--system", default=None, help="system prompt")
+
+    from .eval.cli import add_parser as add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
@@ -182,7 +186,9 @@ def cmd_chat(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat}[args.command]
+    from .eval.cli import cmd_eval
+
+    handler = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat, "eval": cmd_eval}[args.command]
     try:
         return handler(args)
     except KvliteError as e:

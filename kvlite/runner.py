@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .cache import KVCache
+from .cache import KVCache, Snapshot
 from .engine import Capture, Context, Model, Sampler, SamplingParams
 from .errors import KvliteError
 from .policies import FullKV, Policy
@@ -120,6 +120,11 @@ class Runner:
         self.timings = Timings()
         self._compact_due = False
         self.kept_positions: np.ndarray | None = None
+        self.workspace_views: list[np.ndarray] = []  # what the last eviction's lookahead rounds viewed
+        self.last_scores: np.ndarray | None = None
+        # Scores of this very cache from an earlier run of the same policy at another budget
+        # (evaluation grids; only for policies whose scores do not depend on the budget).
+        self.reuse_scores: np.ndarray | None = None
 
     def _capture_for(self, policy: Policy) -> Capture | None:
         """Ask llama.cpp only for what the policy observes."""
@@ -138,6 +143,20 @@ class Runner:
             capture.enabled = False  # switched on for the tokens observed
         return capture
 
+    def restore(self, snap: Snapshot) -> None:
+        """Start over from a snapshot of a prompt read earlier (in this or another runner)."""
+        self.cache.restore(snap)
+        self.observed = {}
+        self._next_logits = None
+        self._compact_due = False
+        self.kept_positions = None
+        self.workspace_views = []
+        self.last_scores = self.reuse_scores = None
+        self.workspace_forward_passes = 0
+        self.timings = Timings()
+        if self.capture is not None:
+            self.capture.clear()
+
     def close(self) -> None:
         self.sampler.close()
         self.ctx.close()
@@ -149,12 +168,19 @@ class Runner:
             return
         t0 = time.perf_counter()
         obs = Observation(self)
-        try:
-            scores = self.policy.scores(obs)
-        finally:
-            if self.cache.workspace_active:
-                self.cache.workspace_drop()  # lookahead cells never outlive the scoring
-        self.workspace_forward_passes += obs.workspace_forward_passes
+        if self.reuse_scores is not None:
+            if len(self.reuse_scores) != len(obs.positions):
+                raise KvliteError("scores to reuse were computed for another cache")
+            scores, self.reuse_scores = self.reuse_scores, None
+        else:
+            try:
+                scores = self.policy.scores(obs)
+            finally:
+                if self.cache.workspace_active:
+                    self.cache.workspace_drop()  # lookahead cells never outlive the scoring
+            self.workspace_forward_passes += obs.workspace_forward_passes
+            self.workspace_views = obs.workspace_views
+        self.last_scores = scores
         if obs.next_logits is not None:
             self._next_logits = obs.next_logits
         keep = select_keep(

@@ -28,6 +28,9 @@ class AttentionPolicy(Policy):
         if self.pool_kernel < 0 or (self.pool_kernel > 1 and self.pool_kernel % 2 == 0):
             raise KvliteError(f"--pool-kernel must be odd (or 0), got {self.pool_kernel}")
 
+    def scores_depend_on_budget(self) -> bool:
+        return self.aggregation == "votes"  # votes count top-budget memberships
+
     def score_queries(self, obs: Observation, queries: np.ndarray) -> np.ndarray:
         return obs.token_scores(queries, self.aggregation, self.pool_kernel, self.budget or 1)
 

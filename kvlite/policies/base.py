@@ -66,6 +66,11 @@ class Policy:
                 f"{max(self.window, 1)}: use a budget above {self.sinks + max(self.window, 1)}"
             )
 
+    def scores_depend_on_budget(self) -> bool:
+        """False when the scores are the same at every budget (only the cut moves), so an evaluation
+        may score a prompt once and cut it at several budgets."""
+        return False
+
     def scores(self, obs: Observation) -> np.ndarray:
         """One score per resident live position (obs.positions); higher is kept first."""
         raise NotImplementedError

@@ -30,6 +30,7 @@ class Observation:
         self.positions = self.cache.positions()  # resident live positions, ascending: what scores index
         self.workspace_forward_passes = 0
         self.next_logits: np.ndarray | None = None  # the prompt's own, saved before a lookahead overwrites them
+        self.workspace_views: list[np.ndarray] = []  # prompt positions each lookahead round viewed (diagnostics)
 
     # -- what the prefill left ------------------------------------------------------------------
     @functools.cached_property
@@ -86,6 +87,7 @@ class Lookahead:
         self.ctx = runner.ctx
         last = self.cache.n_pos - 1
         self.cache.workspace_create(sorted(set(np.asarray(prompt_view).tolist()) | {last}))
+        obs.workspace_views.append(self.cache.positions(1))
         if obs.next_logits is None:
             obs.next_logits = self.ctx.logits(-1)
         self.next_token = int(np.argmax(obs.next_logits))  # the prefill's own next token
@@ -98,6 +100,7 @@ class Lookahead:
         have = set(viewed[viewed < self.cache.n_pos].tolist())
         self.cache.workspace_add(sorted(want - have))
         self.cache.workspace_remove(sorted(have - want))
+        self.obs.workspace_views.append(np.array(sorted(want)))
 
     def step(self, n: int) -> np.ndarray:
         """Decode n greedy tokens on the workspace; their queries [L, H, n, D]."""

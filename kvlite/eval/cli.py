@@ -1,0 +1,109 @@
+"""`kvlite eval`: run a grid (or merge shards) and write records, summary tables and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+
+from ..errors import KvliteError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_parser(sub) -> None:
+    from .grid import split_policies
+    from .tasks import TASKS
+
+    p = sub.add_parser(
+        "eval",
+        help="evaluate policies x budgets on generated tasks or LongBench-format JSONL",
+        description="Runs every (model, sample, policy, budget) cell not already in --out, then writes "
+        "summary.csv, summary.md and plots/. Command-line values override a --config TOML file.",
+    )
+    p.add_argument("--config", help="TOML file with any of the options below (e.g. policies = ['full', 'echokv'])")
+    p.add_argument("-m", "--model", dest="models", action="append", default=None,
+                   help="GGUF model (repeat for several; default: SmolLM2-135M-Instruct)")  # fmt: skip
+    p.add_argument("--data", action="append", default=None, help="LongBench-format JSONL file (repeatable)")
+    p.add_argument("--dataset", default=None, help="LongBench dataset name for lines without a 'dataset' field")
+    p.add_argument("--metric", default=None, help="override the dataset's metric")
+    p.add_argument("--limit", type=int, default=None, help="at most this many samples per data file")
+    p.add_argument("--tasks", type=_names, default=None, help=f"generated tasks: {', '.join(TASKS)}")
+    p.add_argument("--lengths", type=_ints, default=None, help="prompt lengths in tokens (default 1024)")
+    p.add_argument("-n", type=int, default=None, help="samples per task and length (default 4)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--depth", type=float, default=None, help="evidence depth in [0, 1] (default: spread)")
+    p.add_argument("--policies", type=split_policies, default=None,
+                   help="comma-separated, parameters as echokv(T=8,aggregate=mean); default: full,streaming,snapkv,"
+                   "echokv")  # fmt: skip
+    p.add_argument("--budgets", type=_ints, default=None, help="comma-separated KV budgets (default 128,256)")
+    p.add_argument("--n-predict", type=int, default=None, help="generation length (default: each task's)")
+    p.add_argument("--diagnostics", action="store_true", default=None,
+                   help="also measure EchoKV's KV overlap (Table 1) on generated samples")  # fmt: skip
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--shard", default=None, help="i/n: run every n-th sample starting at the i-th")
+    p.add_argument("--out", default=None, help="output directory (default eval-out)")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="merge shard directories into --out, run nothing")
+    p.add_argument("--no-plots", action="store_true", help="skip the plots")
+    p.add_argument("--json", action="store_true", help="print the summary rows as JSON on stdout")
+
+
+def cmd_eval(args) -> int:
+    from ..progress import progress_bar
+    from . import report
+    from .grid import Grid, GridConfig, read_records
+
+    overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
+                                               "n", "seed", "depth", "policies", "budgets", "n_predict",
+                                               "diagnostics", "threads", "shard", "out")}  # fmt: skip
+    cfg = GridConfig.load(args.config, overrides)
+    out = cfg.out_dir
+    failures = 0
+    if args.merge:
+        out.mkdir(parents=True, exist_ok=True)
+        for d in map(pathlib.Path, args.merge):
+            if not d.is_dir():
+                raise KvliteError(f"not a directory: {d}")
+        merged = {}
+        for d in map(pathlib.Path, args.merge):
+            for r in read_records(d):
+                merged[(r["model"], r["task"], r["sample"], r["policy"], r["budget"])] = r
+            for err in d.glob("errors*.jsonl"):
+                shutil.copyfile(err, out / f"errors.{d.name}.jsonl")
+        with (out / "samples.jsonl").open("w") as f:
+            for r in merged.values():
+                f.write(json.dumps(r) + "\n")
+    else:
+        grid = Grid(cfg)
+        with progress_bar(grid.count_todo(), "eval", unit="cell") as bar:
+            grid.run(progress=bar)
+        failures = grid.failures
+    records = read_records(out)
+    rows = report.write_summary(out, records)
+    if not args.no_plots and rows:
+        report.write_plots(out, records, rows)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(report.to_markdown(rows))
+        t = report.throughput(records)
+        if t["total_s"]:
+            share = 100 * t["overhead_share"]
+            print(f"[kvlite eval] {t['cells']} cells, {t['total_s']:.0f} s: model {t['model_s']:.0f} s, policies "
+                  f"{t['policy_s']:.0f} s, harness overhead {share:.1f}%", file=sys.stderr)  # fmt: skip
+    if failures:
+        print(f"kvlite eval: {failures} cell(s) or line(s) failed (see {out}/errors*.jsonl); the rest is in {out}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0

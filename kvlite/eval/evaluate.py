@@ -1,0 +1,209 @@
+"""Running one sample under many (policy, budget) cells.
+
+The prompt is read once with the full cache (all but its last `tail` tokens) and snapshotted; each
+cell restores the snapshot into its own runner, feeds the tail (so the policy captures the queries
+it observes, exactly as in `kvlite generate`), evicts, generates greedily, and is then teacher-forced
+on the full cache's continuation to measure the fidelity of its next-token distributions.
+Prefill-end eviction sees the same prompt whichever way it was read, so only the speed changes;
+chunked-mode cells read the whole prompt themselves."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ..cache import KVCache
+from ..engine import Capture, Context, Model, SamplingParams
+from ..policies import FullKV, Policy
+from ..policies.lookahead import EchoKV
+from ..policies.observe import Observation
+from ..runner import Runner
+from . import longbench, metrics
+from .tasks import Sample
+
+CHUNK = 512
+
+
+@dataclasses.dataclass
+class Prompt:
+    """A sample tokenized for one model, with its evidence as token positions."""
+
+    sample: Sample
+    tokens: list[int]
+    evidence: list[int]
+    max_new_tokens: int
+
+
+def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None) -> Prompt:
+    def encode(text: str) -> list[int]:
+        return model.tokenize(text, add_special=True, parse_special=sample.chat)
+
+    if sample.chat:
+        text = model.apply_chat_template([{"role": "user", "content": sample.prompt}])
+        offset = text.index(sample.prompt)
+    else:
+        text, offset = sample.prompt, 0
+    tokens = encode(text)
+    evidence: list[int] = []
+    for a, b in sample.evidence:  # token positions of a character span: the lengths of its prefixes
+        evidence.extend(range(len(encode(text[: offset + a])), len(encode(text[: offset + b]))))
+    return Prompt(sample, tokens, sorted(set(evidence)), max_new_tokens or sample.max_new_tokens)
+
+
+@dataclasses.dataclass
+class Reference:
+    """What the full cache did: its greedy continuation and the next-token logits along it."""
+
+    tokens: list[int]
+    logits: np.ndarray  # [len(tokens) - 1, n_vocab]: after each continuation token but the last
+
+
+class SampleRun:
+    """One prompt read once; `cell(policy)` replays it under a policy and returns a record."""
+
+    def __init__(self, model: Model, prompt: Prompt, tail: int, n_threads: int | None = None, extra_ctx: int = 0):
+        self.model, self.prompt, self.n_threads = model, prompt, n_threads
+        n = len(prompt.tokens)
+        self.tail = max(1, min(tail, n - 1)) if n > 1 else 1
+        self.n_ctx = n + prompt.max_new_tokens + extra_ctx + 8
+        self.reference: Reference | None = None
+        self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by policy spec, see cell()
+        t0 = time.perf_counter()
+        hidden_layer = model.info.n_layer - 2
+        capture = Capture()
+        capture.request("hidden", [hidden_layer])  # counter-causal fast reads them from the snapshot
+        ctx = Context(model, self.n_ctx, n_batch=CHUNK, n_threads=n_threads, capture=capture)
+        try:
+            cache = KVCache(ctx, hidden_layer=hidden_layer)
+            head = prompt.tokens[: n - self.tail]
+            for start in range(0, len(head), CHUNK):
+                cache.append(head[start : start + CHUNK], logits="none")
+            self.snapshot = cache.snapshot() if head else None
+        finally:
+            ctx.close()
+            capture.close()
+        self.prefix_s = time.perf_counter() - t0
+
+    def runner(self, policy: Policy) -> Runner:
+        return Runner(self.model, policy, n_ctx=self.n_ctx, chunk=CHUNK, sampling=SamplingParams(temp=0.0),
+                      n_threads=self.n_threads)  # fmt: skip
+
+    def _read_prompt(self, runner: Runner) -> None:
+        tokens = self.prompt.tokens
+        if runner.policy.continuous or self.snapshot is None:
+            runner.feed(tokens)
+        else:
+            runner.restore(self.snapshot)
+            runner.feed(tokens[-self.tail :])
+
+    def cell(self, policy: Policy, reuse: str | None = None) -> dict:
+        """Run one policy (FullKV first: it makes the reference) and score it. reuse: a name under
+        which the policy's scores are kept and reused by later cells of the same name, when the
+        scores do not depend on the budget (the eviction is then the same as a fresh run's)."""
+        prompt, sample = self.prompt, self.prompt.sample
+        n = len(prompt.tokens)
+        t0 = time.perf_counter()
+        runner = self.runner(policy)
+        reusable = reuse is not None and not policy.scores_depend_on_budget() and not policy.continuous
+        try:
+            if reusable and reuse in self.scores:
+                runner.reuse_scores = self.scores[reuse][0]
+            self._read_prompt(runner)
+            if reusable and reuse not in self.scores and runner.last_scores is not None:
+                self.scores[reuse] = (runner.last_scores, runner.workspace_views)
+            views = self.scores[reuse][1] if reusable and reuse in self.scores else runner.workspace_views
+            views = [v[v < n] for v in views]
+            out, stopped = runner.generate(prompt.max_new_tokens)
+            kept = runner.cache_report(n)["kept_positions"]
+            t1 = time.perf_counter()
+            if self.reference is None and isinstance(policy, FullKV):
+                self.reference = Reference(out, self._teacher_forced(runner, out))
+            ref = self.reference
+            logits = self._teacher_forced(runner, ref.tokens) if ref is not None else None
+            tf_s = time.perf_counter() - t1
+        finally:
+            runner.close()
+        text = self.model.detokenize(out)
+        pred = longbench.postprocess(sample, text)
+        record = {
+            "output": text,
+            "score": metrics.score(sample.metric, pred, sample.answers, sample.all_classes),
+            "stopped": stopped,
+            "prompt_tokens": n,
+            "generated": out,
+            "kept": kept,
+            "evidence_kept": metrics.retention(kept, prompt.evidence) if policy.budget else None,
+            "workspace_evidence": [metrics.retention(v, prompt.evidence) for v in views],
+            "workspace_sizes": [len(v) for v in views],
+        }
+        if ref is not None:
+            record["exact_match"] = float(out == ref.tokens)
+            record["token_agreement"] = metrics.token_agreement(ref.tokens, out)
+            if len(ref.logits):
+                record["kl"] = float(metrics.kl_divergence(ref.logits, logits).mean())
+                record["top1"] = metrics.top1_agreement(ref.logits, logits)
+        t = runner.timings
+        record["time"] = {
+            "cell_s": time.perf_counter() - t0,
+            "prefill_s": t.prefill_s - t.evict_s,
+            "decode_s": t.decode_s,
+            "policy_s": t.evict_s,
+            "teacher_forcing_s": tf_s,
+        }
+        return record
+
+    def _teacher_forced(self, runner: Runner, continuation: list[int]) -> np.ndarray:
+        """Next-token logits after each continuation token but the last, fed onto the cache the
+        policy left (the first one is the prompt's own, the same under every prefill-end policy)."""
+        n = len(self.prompt.tokens)
+        runner.cache.truncate(n)
+        feed = continuation[:-1]
+        if not feed:
+            return np.zeros((0, self.model.n_vocab), dtype=np.float32)
+        runner.cache.append(feed, logits="all")
+        return np.stack([runner.ctx.logits(i) for i in range(len(feed))])
+
+    # -- EchoKV Table 1 -------------------------------------------------------------------------
+    def overlap(self, budget: int, lookahead: int = 8, steps: int = 8, **echokv) -> dict:
+        """KV overlap (EchoKV Eq. 1) of the top-`budget` sets per layer and KV group chosen by each
+        lookahead step's query with those of the true step-k query (greedy on the full cache), for
+        T steps on a frozen W1 and for the refreshed schedule (W2 built at T/2)."""
+        policy = EchoKV(budget=None, lookahead=lookahead, **echokv)
+        policy.validate()
+        runner = self.runner(policy)
+        try:
+            self._read_prompt(runner)
+            obs = Observation(runner)
+            b1 = policy.workspace
+            w1 = obs.top(policy.score_queries(obs, obs.proposals(policy.anchors, lookahead)), b1)
+
+            def run(view: np.ndarray, refresh: bool) -> np.ndarray:
+                look = obs.lookahead(view)
+                try:
+                    if not refresh:
+                        return look.step(lookahead)
+                    q1 = look.step(lookahead // 2)
+                    look.view(obs.top(policy.score_queries(obs, q1), b1))
+                    return np.concatenate([q1, look.step(lookahead - lookahead // 2)], axis=2)
+                finally:
+                    look.close()
+
+            true = run(obs.positions, refresh=False)  # the whole prompt in view: the full cache
+            frozen, refreshed = run(w1, refresh=False), run(w1, refresh=True)
+
+            def sets(q: np.ndarray, k: int) -> np.ndarray:
+                return obs.pooled(np.ascontiguousarray(q[:, :, k : k + 1]), policy.pool_kernel)
+
+            ks = range(min(steps, lookahead))
+            truth = [sets(true, k) for k in ks]
+            return {
+                "frozen": [metrics.topk_overlap(sets(frozen, k), truth[k], budget) for k in ks],
+                "refreshed": [metrics.topk_overlap(sets(refreshed, k), truth[k], budget) for k in ks],
+                "workspace": b1,
+                "lookahead": lookahead,
+                "budget": budget,
+            }
+        finally:
+            runner.close()

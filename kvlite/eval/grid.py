@@ -1,0 +1,281 @@
+"""An evaluation grid: models x samples (generated tasks or LongBench files) x policies x budgets.
+
+Every finished (model, task, sample, policy, budget) is one JSON line appended to the output
+directory at once, so an interrupted grid resumes where it stopped and a failed cell costs only
+itself. Shards take every n-th sample and write their own file; the summary reads them all."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+
+from ..engine import Model
+from ..errors import KvliteError
+from ..models import resolve_model
+from ..policies import POLICIES, FullKV, Policy, make_policy
+from . import longbench, tasks
+from .evaluate import SampleRun, tokenize
+
+# Short names for policy parameters in specs such as "echokv(T=8,aggregate=mean)".
+ALIASES = {
+    "T": "lookahead", "aggregate": "aggregation", "B1": "workspace", "surprise": "score", "kernel": "pool_kernel",
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class GridConfig:
+    models: list[str] = dataclasses.field(default_factory=lambda: ["default"])
+    tasks: list[str] = dataclasses.field(default_factory=lambda: ["single", "multikey", "twohop"])
+    lengths: list[int] = dataclasses.field(default_factory=lambda: [1024])
+    n: int = 4  # samples per generated task and length
+    seed: int = 0
+    depth: float | None = None
+    data: list[str] = dataclasses.field(default_factory=list)  # LongBench-format JSONL files
+    dataset: str | None = None
+    metric: str | None = None
+    limit: int = 0  # at most this many samples per data file (0: all)
+    policies: list[str] = dataclasses.field(default_factory=lambda: ["full", "streaming", "snapkv", "echokv"])
+    budgets: list[int] = dataclasses.field(default_factory=lambda: [128, 256])
+    n_predict: int | None = None  # overrides each task's generation length
+    diagnostics: bool = False  # EchoKV Table 1 overlap per generated sample
+    diagnostics_budget: int = 128
+    diagnostics_workspace: int = 256
+    threads: int | None = None
+    shard: str = "1/1"
+    out: str = "eval-out"
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path | None, overrides: dict) -> GridConfig:
+        """A TOML file's keys (dashes or underscores) overridden by the CLI's non-None values."""
+        values: dict = {}
+        if path is not None:
+            try:
+                raw = tomllib.loads(pathlib.Path(path).read_text())
+            except FileNotFoundError:
+                raise KvliteError(f"config file not found: {path}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise KvliteError(f"{path}: not valid TOML ({e})") from None
+            values = {k.replace("-", "_"): v for k, v in raw.items()}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise KvliteError(f"unknown config key(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for spec in self.policies:
+            parse_spec(spec)
+        if any(b <= 0 for b in self.budgets):
+            raise KvliteError(f"budgets must be positive, got {self.budgets}")
+        if self.n < 0:
+            raise KvliteError(f"n must be >= 0, got {self.n}")
+        for t in self.tasks:
+            if t not in tasks.TASKS:
+                raise KvliteError(f"unknown task '{t}': choose from {', '.join(tasks.TASKS)}")
+        shard_of(self.shard)
+        for path in self.data:
+            if not pathlib.Path(path).is_file():
+                raise KvliteError(f"data file not found: {path}")
+
+    @property
+    def out_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.out)
+
+
+def shard_of(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise KvliteError(f"--shard must look like i/n with 1 <= i <= n, got '{text}'")
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """ "echokv(T=8,aggregate=mean)" -> ("echokv", {"lookahead": 8, "aggregation": "mean"})."""
+    m = re.fullmatch(r"\s*([\w-]+)\s*(?:\((.*)\))?\s*", spec)
+    if not m or m.group(1) not in POLICIES:
+        raise KvliteError(f"unknown policy '{spec}': choose from {', '.join(POLICIES)} (parameters as name(T=8))")
+    params: dict = {}
+    for item in filter(None, (m.group(2) or "").split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise KvliteError(f"policy '{spec}': parameters are key=value, got '{item}'")
+        key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
+        value = value.strip()
+        params[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
+    fields = {f.name for f in dataclasses.fields(POLICIES[m.group(1)])}
+    bad = sorted(set(params) - fields)
+    if bad:
+        raise KvliteError(f"policy '{spec}' has no parameter {', '.join(bad)}")
+    return m.group(1), params
+
+
+def split_policies(text: str) -> list[str]:
+    """Comma-separated specs; commas inside parentheses belong to a spec."""
+    return [p.strip() for p in re.findall(r"[^,(]+(?:\([^)]*\))?", text) if p.strip()]
+
+
+def policy_for(spec: str, budget: int | None) -> Policy:
+    """Grids evict once, when the prompt has been read (as kvpress and the papers' LongBench runs do),
+    unless a spec says mode=chunked."""
+    name, params = parse_spec(spec)
+    params.setdefault("mode", "prefill-end")
+    return make_policy(name, budget=budget, **params) if name != "full" else FullKV()
+
+
+def model_label(path: pathlib.Path) -> str:
+    return path.stem
+
+
+def record_key(r: dict) -> tuple:
+    return (r["model"], r["task"], r["sample"], r["policy"], r["budget"])
+
+
+def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dict]:
+    """Every record in a directory's sample files (a truncated last line, from a kill, is skipped)."""
+    records: dict[tuple, dict] = {}
+    for path in sorted(out.glob(pattern)):
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            records[record_key(r)] = r
+    return list(records.values())
+
+
+class Grid:
+    def __init__(self, cfg: GridConfig, log=None):
+        self.cfg = cfg
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.shard, self.n_shards = shard_of(cfg.shard)
+        suffix = "" if self.n_shards == 1 else f".shard-{self.shard}-of-{self.n_shards}"
+        self.out = cfg.out_dir
+        self.samples_path = self.out / f"samples{suffix}.jsonl"
+        self.errors_path = self.out / f"errors{suffix}.jsonl"
+        self.failures = 0
+        evicting = [p for p in cfg.policies if parse_spec(p)[0] != "full"]
+        self.cells = [("full", None)] + [(p, b) for p in evicting for b in cfg.budgets]
+        self.tail = max([1] + [policy_for(p, b).observed_tokens() for p, b in self.cells if self._valid(p, b)])
+
+    def _valid(self, spec: str, budget: int | None) -> bool:
+        try:
+            policy_for(spec, budget)
+            return True
+        except KvliteError:
+            return False
+
+    def _samples(self, model: Model) -> Iterator[tasks.Sample]:
+        """This shard's samples: every n-th of the grid's list, in a fixed order."""
+        cfg = self.cfg
+        listed: list[tasks.Sample] = []
+        for path in cfg.data:
+            samples, errors = longbench.load(path, cfg.dataset, cfg.metric)
+            for e in errors:
+                self._fail({"data": str(path)}, e)
+            listed.extend(samples[: cfg.limit] if cfg.limit else samples)
+        count = lambda text: len(model.tokenize(text, add_special=False, parse_special=False))  # noqa: E731
+        for t in cfg.tasks if not cfg.data else []:
+            for length in cfg.lengths:
+                listed.extend(tasks.generate(t, cfg.n, length, count, cfg.seed, cfg.depth))
+        for i, s in enumerate(listed):
+            if i % self.n_shards == self.shard - 1:
+                yield s
+
+    def _fail(self, where: dict, message: str) -> None:
+        self.failures += 1
+        named = " ".join(f"{k}={v}" for k, v in where.items())
+        self.log(f"kvlite eval: {named}: {message}")
+        self._append(self.errors_path, {**where, "error": message})
+
+    def _append(self, path: pathlib.Path, record: dict) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+    def run(self, progress=None) -> None:
+        """Run every unfinished cell of this shard. progress(n) is called per cell done."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        done = {record_key(r) for r in read_records(self.out)}
+        for model_arg in cfg.models:
+            path = resolve_model(None if model_arg == "default" else model_arg)
+            model = Model(path)
+            label = model_label(path)
+            try:
+                for sample in self._samples(model):
+                    self._run_sample(model, label, sample, done, progress)
+            finally:
+                model.close()
+
+    def _run_sample(self, model: Model, label: str, sample: tasks.Sample, done: set, progress) -> None:
+        cfg = self.cfg
+        base = {"model": label, "task": sample.task, "sample": sample.id}
+        todo = [(p, b) for p, b in self.cells if (label, sample.task, sample.id, p, b) not in done]
+        diag_key = (label, sample.task, sample.id, "diagnostics", cfg.diagnostics_budget)
+        want_diag = cfg.diagnostics and bool(sample.evidence) and diag_key not in done
+        if not todo and not want_diag:
+            return
+        try:
+            prompt = tokenize(model, sample, cfg.n_predict)
+            extra = max(
+                [policy_for(p, b).lookahead_cells() for p, b in self.cells if self._valid(p, b)] + [8], default=8
+            )
+            run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=extra)
+        except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
+            self._fail(base, f"{type(e).__name__}: {e}" if not isinstance(e, KvliteError) else str(e))
+            if progress:
+                progress(len(todo))
+            return
+        if todo and todo[0] != ("full", None):
+            todo.insert(0, ("full", None))  # the reference for fidelity, rerun after a resume
+            rerun_full = True
+        else:
+            rerun_full = False
+        for i, (spec, budget) in enumerate(todo):
+            where = {**base, "policy": spec, "budget": budget}
+            try:
+                t0 = time.perf_counter()
+                record = run.cell(policy_for(spec, budget), reuse=spec)
+                if i == 0:
+                    record["time"]["prefix_s"] = run.prefix_s
+                if budget is not None and budget >= len(prompt.tokens):
+                    record["note"] = "budget >= prompt: nothing evicted"
+                record["time"]["cell_s"] = time.perf_counter() - t0
+                if not (rerun_full and i == 0):
+                    self._append(self.samples_path, {**where, **record, "evidence": prompt.evidence})
+            except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
+                self._fail(where, str(e) if isinstance(e, KvliteError) else f"{type(e).__name__}: {e}")
+            if progress and not (rerun_full and i == 0):
+                progress(1)
+        if want_diag:
+            where = {**base, "policy": "diagnostics", "budget": cfg.diagnostics_budget}
+            try:
+                diag = run.overlap(cfg.diagnostics_budget, workspace=cfg.diagnostics_workspace)
+                self._append(self.samples_path, {**where, "overlap": diag})
+            except Exception as e:  # noqa: BLE001
+                self._fail(where, str(e) if isinstance(e, KvliteError) else f"{type(e).__name__}: {e}")
+
+    def count_todo(self) -> int:
+        """Cells left in this shard (for the progress bar), without loading a model."""
+        done = {record_key(r) for r in read_records(self.out)} if self.out.exists() else set()
+        return max(0, self._planned() - len([k for k in done if k[3] != "diagnostics"]))
+
+    def _planned(self) -> int:
+        cfg = self.cfg
+        n_data = 0
+        for path in cfg.data:
+            with open(path, encoding="utf-8") as f:
+                rows = sum(1 for line in f if line.strip())
+            n_data += min(rows, cfg.limit) if cfg.limit else rows
+        n_samples = n_data if cfg.data else len(cfg.tasks) * len(cfg.lengths) * cfg.n
+        mine = len(range(self.shard - 1, n_samples, self.n_shards))
+        return mine * len(self.cells) * len(cfg.models)

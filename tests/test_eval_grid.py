@@ -1,0 +1,158 @@
+"""Evaluation grids on the tiny model: the snapshot replay equals a plain run, scores reused across
+budgets equal fresh ones, a resumed grid and a shard-and-merge run equal an uninterrupted one, a
+failing cell fails alone, and the diagnostics behave as their definitions say."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from kvlite.engine import SamplingParams
+from kvlite.errors import KvliteError
+from kvlite.eval import tasks
+from kvlite.eval.evaluate import SampleRun, tokenize
+from kvlite.eval.grid import Grid, GridConfig, parse_spec, read_records, split_policies
+from kvlite.policies import EchoKV, SnapKV
+from kvlite.runner import Runner
+
+POLICIES = ["full", "streaming", "snapkv", "echokv(T=4,B1=96)"]
+
+
+def grid_cfg(tiny_paths, out, **kw) -> GridConfig:
+    base = dict(models=[tiny_paths["llama"]], tasks=["single"], lengths=[300], n=3, policies=POLICIES,
+                budgets=[40, 64], n_predict=6, out=str(out))  # fmt: skip
+    base.update(kw)
+    return GridConfig(**base)
+
+
+def rows_without_time(out) -> list:
+    return sorted((r["model"], r["task"], r["sample"], r["policy"], str(r["budget"]), r["score"], r["generated"],
+                   r["kept"], round(r.get("kl", 0), 9)) for r in read_records(out) if "score" in r)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_paths, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid-a")
+    Grid(grid_cfg(tiny_paths, out)).run()
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model):
+    (sample,) = tasks.generate("single", 1, 300, lambda t: len(t.encode()), seed=5)
+    return tokenize(tiny_model, sample, max_new_tokens=6)
+
+
+def test_grid_records_every_cell(uninterrupted):
+    records = read_records(uninterrupted)
+    assert len(records) == 3 * (1 + 3 * 2)
+    summary = (uninterrupted / "summary.csv").read_text() if (uninterrupted / "summary.csv").exists() else None
+    assert summary is None  # the Grid API writes records; the CLI writes the summary
+    full = [r for r in records if r["policy"] == "full"]
+    assert all(r["kl"] == pytest.approx(0, abs=1e-9) and r["top1"] == 1 and r["exact_match"] == 1 for r in full)
+    evicting = [r for r in records if r["policy"] != "full"]
+    assert all(len(r["kept"]) == r["budget"] for r in evicting)
+    assert any(r["kl"] > 1e-3 for r in evicting)  # eviction changes the distributions (random tiny weights)
+
+
+def test_snapshot_replay_equals_a_plain_run(tiny_model, prompt):
+    run = SampleRun(tiny_model, prompt, tail=32)
+    run.cell(EchoKV(budget=48, lookahead=4, workspace=96))  # not FullKV: no reference needed here
+    for policy in (SnapKV(budget=40), EchoKV(budget=48, lookahead=4, workspace=96)):
+        record = run.cell(policy)
+        plain = Runner(tiny_model, policy, n_ctx=run.n_ctx, sampling=SamplingParams())
+        try:
+            plain.feed(prompt.tokens)
+            out, _ = plain.generate(prompt.max_new_tokens)
+            assert record["kept"] == plain.cache_report(len(prompt.tokens))["kept_positions"]
+            assert record["generated"] == out
+        finally:
+            plain.close()
+
+
+def test_scores_reused_across_budgets_equal_fresh_ones(tiny_model, prompt):
+    shared = SampleRun(tiny_model, prompt, tail=32)
+    fresh = SampleRun(tiny_model, prompt, tail=32)
+    for make in (lambda b: EchoKV(budget=b, lookahead=4, workspace=96), lambda b: SnapKV(budget=b)):
+        shared.cell(make(64), reuse="p")
+        reused = shared.cell(make(40), reuse="p")
+        again = fresh.cell(make(40))
+        assert reused["kept"] == again["kept"] and reused["generated"] == again["generated"]
+        assert reused["workspace_evidence"] == again["workspace_evidence"]
+        shared.scores.clear()
+
+
+def test_votes_scores_are_not_reused(tiny_model, prompt):
+    run = SampleRun(tiny_model, prompt, tail=32)
+    run.cell(SnapKV(budget=64, aggregation="votes"), reuse="v")
+    assert "v" not in run.scores  # votes depend on the budget
+
+
+def test_resumed_grid_equals_uninterrupted(tiny_paths, tmp_path, uninterrupted):
+    calls = []
+
+    def stop_after_five(n):
+        calls.append(n)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Grid(grid_cfg(tiny_paths, tmp_path)).run(progress=stop_after_five)
+    assert 0 < len(read_records(tmp_path)) < 21
+    Grid(grid_cfg(tiny_paths, tmp_path)).run()
+    assert sum(1 for _ in (tmp_path / "samples.jsonl").open()) == 21  # nothing finished was redone
+    assert rows_without_time(tmp_path) == rows_without_time(uninterrupted)
+
+
+def test_shards_merged_equal_one_run(tiny_paths, tmp_path, uninterrupted):
+    for i in (1, 2):
+        Grid(grid_cfg(tiny_paths, tmp_path / f"s{i}", shard=f"{i}/2")).run()
+    assert {r["sample"] for r in read_records(tmp_path / "s1")} == {0, 2}
+    r = run_cli("eval", "--merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "m"),
+                "--no-plots")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert rows_without_time(tmp_path / "m") == rows_without_time(uninterrupted)
+    header = (tmp_path / "m" / "summary.csv").read_text().splitlines()[0]
+    assert header.startswith("task,policy,budget,score,n")
+
+
+def test_a_failing_cell_fails_alone(tiny_paths, tmp_path):
+    r = run_cli("eval", "-m", tiny_paths["llama"], "--tasks", "single", "--lengths", "300", "-n", "1",
+                "--policies", "full,snapkv", "--budgets", "3,48", "--n-predict", "4", "--out", str(tmp_path),
+                "--no-plots")  # fmt: skip
+    assert r.returncode == 1
+    assert "policy=snapkv budget=3" in r.stderr and "Traceback" not in r.stderr
+    errors = [json.loads(line) for line in (tmp_path / "errors.jsonl").open()]
+    assert [(e["policy"], e["budget"]) for e in errors] == [("snapkv", 3)]
+    done = {(x["policy"], x["budget"]) for x in read_records(tmp_path)}
+    assert done == {("full", None), ("snapkv", 48)}
+    assert (tmp_path / "summary.md").exists()
+
+
+def test_overlap_diagnostic(tiny_model, prompt):
+    run = SampleRun(tiny_model, prompt, tail=32)
+    whole = run.overlap(budget=32, lookahead=8, workspace=4096)  # W1 is the whole prompt: the true path
+    assert whole["frozen"] == pytest.approx([1.0] * 8)
+    part = run.overlap(budget=32, lookahead=8, workspace=64)
+    assert part["frozen"][:4] == part["refreshed"][:4]  # the schedules differ only after T/2
+    assert all(0 <= v <= 1 for v in part["frozen"] + part["refreshed"])
+    assert min(part["frozen"]) < 1.0
+
+
+def test_specs_and_config(tmp_path):
+    assert parse_spec("echokv(T=8,aggregate=mean)") == ("echokv", {"lookahead": 8, "aggregation": "mean"})
+    assert split_policies("full,echokv(T=8,B1=256),cc") == ["full", "echokv(T=8,B1=256)", "cc"]
+    for bad in ("echo", "echokv(T)", "snapkv(lookahead=3)"):
+        with pytest.raises(KvliteError):
+            parse_spec(bad)
+    cfg_file = tmp_path / "grid.toml"
+    cfg_file.write_text('policies = ["full", "tova"]\nbudgets = [64]\nn = 2\n')
+    cfg = GridConfig.load(cfg_file, {"budgets": [32, 48], "n": None})
+    assert (cfg.policies, cfg.budgets, cfg.n) == (["full", "tova"], [32, 48], 2)
+    cfg_file.write_text("polices = ['full']\n")
+    with pytest.raises(KvliteError, match="unknown config key"):
+        GridConfig.load(cfg_file, {})
+    with pytest.raises(KvliteError, match="shard"):
+        GridConfig.load(None, {"shard": "3/2"})
+    assert np.isfinite(len(cfg.tasks))

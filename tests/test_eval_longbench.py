@@ -1,0 +1,63 @@
+"""LongBench-format data: LongBench's templates and metrics, bad lines named, and a small fixture
+(tests/data/longbench_mini.jsonl: four usable lines, one malformed, one unknown dataset) run end to end
+through the CLI."""
+
+import csv
+import pathlib
+
+from conftest import run_cli
+from kvlite.eval import longbench
+
+DATA = pathlib.Path(__file__).parent / "data" / "longbench_mini.jsonl"
+
+
+def test_loader_uses_longbench_templates_and_names_bad_lines():
+    samples, errors = longbench.load(DATA)
+    assert [s.task for s in samples] == ["hotpotqa", "trec", "passage_count", "lcc"]
+    hotpot = samples[0]
+    assert hotpot.prompt.startswith("Answer the question based on the given passages.")
+    assert hotpot.prompt.endswith("Question: Which city is the capital of Norway?\nAnswer:")
+    assert "Oslo is the capital of Norway." in hotpot.prompt
+    assert (hotpot.metric, hotpot.max_new_tokens, hotpot.chat) == ("qa_f1", 32, True)
+    trec = samples[1]
+    assert (trec.metric, trec.chat, trec.all_classes[2]) == ("classification", False, "City")
+    assert samples[2].answers == ["2"] and samples[2].metric == "count"
+    assert samples[3].metric == "code_sim" and samples[3].prompt.endswith("Next line of code:\n")
+    assert len(errors) == 2
+    assert "longbench_mini.jsonl:3: not valid JSON" in errors[0]
+    assert "longbench_mini.jsonl:4: unknown LongBench dataset 'narrative_qa_typo'" in errors[1]
+
+
+def test_first_line_postprocessing():
+    samples, _ = longbench.load(DATA)
+    assert longbench.postprocess(samples[1], "\nCity\nQuestion: more") == "City"  # trec: first line only
+    assert longbench.postprocess(samples[0], "Oslo\nmore") == "Oslo\nmore"
+
+
+def test_fixture_runs_end_to_end_through_the_cli(tiny_paths, tmp_path):
+    r = run_cli("eval", "--data", str(DATA), "-m", tiny_paths["llama"], "--policies", "full,streaming",
+                "--budgets", "48", "--n-predict", "4", "--out", str(tmp_path))  # fmt: skip
+    assert r.returncode == 1  # two lines could not be used; everything else ran
+    assert "longbench_mini.jsonl:3" in r.stderr and "longbench_mini.jsonl:4" in r.stderr
+    assert "Traceback" not in r.stderr
+    rows = list(csv.DictReader((tmp_path / "summary.csv").open()))
+    assert {(row["task"], row["policy"], row["budget"], row["n"]) for row in rows} == {
+        (t, p, b, "1")
+        for t in ("hotpotqa", "trec", "passage_count", "lcc")
+        for p, b in (("full", "full"), ("streaming", "48"))
+    }
+    assert all(0 <= float(row["score"]) <= 1 for row in rows)
+    assert (tmp_path / "plots" / "scores-tiny-llama.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| streaming |" in (tmp_path / "summary.md").read_text()
+
+
+def test_bad_metric_and_dataset_are_one_line_errors(tiny_paths, tmp_path):
+    r = run_cli("eval", "--data", str(DATA), "-m", tiny_paths["llama"], "--metric", "bleu", "--out", str(tmp_path))
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "unknown metric 'bleu'" in r.stderr
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"context": "c", "input": "i", "answers": ["a"]}\n')
+    r = run_cli("eval", "--data", str(plain), "--dataset", "hotpot", "-m", tiny_paths["llama"], "--out", str(tmp_path))
+    assert r.returncode == 1 and "plain.jsonl:1: unknown LongBench dataset 'hotpot'" in r.stderr
+    r = run_cli("eval", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))
+    assert r.returncode == 1 and "data file not found" in r.stderr

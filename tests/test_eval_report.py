@@ -1,0 +1,62 @@
+"""Summary tables, plots and the throughput split from hand-made records."""
+
+import pytest
+
+from kvlite.eval import report
+
+
+def rec(policy, budget, score, sample, kl=None, **kw):
+    base = {"model": "m", "task": "single/1024", "sample": sample, "policy": policy, "budget": budget, "score": score}
+    return {**base, "kl": kl, "top1": None, "exact_match": None, "token_agreement": None, "evidence_kept": None, **kw}
+
+
+RECORDS = [
+    rec("full", None, 1.0, 0, kl=0.0),
+    rec("full", None, 0.0, 1, kl=0.0),
+    rec("snapkv", 64, 1.0, 0, kl=0.5, kept=[0, 1, 2], prompt_tokens=8, evidence=[2, 3]),
+    rec("snapkv", 64, 0.0, 1, kl=1.5),
+    rec("snapkv", 128, 1.0, 0, kl=0.25),
+    {"model": "m", "task": "single/1024", "sample": 0, "policy": "diagnostics", "budget": 128, "overlap": {}},
+]
+
+
+def test_summary_means_per_cell():
+    rows = report.summarize(RECORDS)
+    assert [(r["policy"], r["budget"], r["score"], r["n"], r["kl"]) for r in rows] == [
+        ("full", None, 0.5, 2, 0.0),
+        ("snapkv", 64, 0.5, 2, 1.0),  # (0.5 + 1.5) / 2
+        ("snapkv", 128, 1.0, 1, 0.25),
+    ]
+    csv_text = report.to_csv(rows)
+    assert csv_text.splitlines()[0].startswith("task,policy,budget,score,n,model")
+    assert csv_text.splitlines()[1].startswith("single/1024,full,full,0.5000,2,m")
+    md = report.to_markdown(rows)
+    assert "| policy | 64 | 128 |" in md and "| snapkv | 0.50 | 1.00 |" in md and "full cache: 0.50" in md
+
+
+def test_plots_are_written(tmp_path):
+    rows = report.summarize(RECORDS)
+    scores = report.plot_scores(rows, "m", tmp_path / "s.png")
+    kept = report.plot_occupancy(RECORDS, "m", "single/1024", 0, 64, tmp_path / "k.png")
+    assert scores.read_bytes()[:4] == kept.read_bytes()[:4] == b"\x89PNG"
+    assert report.plot_occupancy(RECORDS, "m", "single/1024", 0, 999, tmp_path / "none.png") is None
+
+
+def test_throughput_split():
+    timed = [
+        {
+            "time": {
+                "cell_s": 4.0,
+                "prefill_s": 1.0,
+                "decode_s": 1.0,
+                "policy_s": 0.5,
+                "teacher_forcing_s": 0.5,
+                "prefix_s": 6.0,
+            }
+        },  # fmt: skip
+        {"time": {"cell_s": 2.0, "prefill_s": 0.5, "decode_s": 0.5, "policy_s": 0.5, "teacher_forcing_s": 0.25}},
+    ]
+    t = report.throughput(timed)
+    # total 4 + 2 + 6 = 12; model 6 + 1.5 + 1.5 + 0.75 = 9.75; policies 1; overhead 1.25
+    assert (t["total_s"], t["model_s"], t["policy_s"]) == (12.0, 9.75, 1.0)
+    assert t["overhead_s"] == pytest.approx(1.25) and t["overhead_share"] == pytest.approx(1.25 / 12)

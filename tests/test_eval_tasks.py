@@ -1,0 +1,59 @@
+"""Generated tasks: deterministic, at the length asked, with the evidence where the answer is."""
+
+import pytest
+
+from kvlite.errors import KvliteError
+from kvlite.eval import tasks
+from kvlite.eval.evaluate import tokenize
+
+
+def count(text: str) -> int:
+    return len(text.encode())  # the tiny models' byte-level vocabulary
+
+
+@pytest.mark.parametrize("task", sorted(tasks.TASKS))
+def test_deterministic_sized_and_evidence_holds_the_answer(task):
+    a = tasks.generate(task, 3, 1024, count, seed=7)
+    b = tasks.generate(task, 3, 1024, count, seed=7)
+    c = tasks.generate(task, 3, 1024, count, seed=8)
+    assert [s.prompt for s in a] == [s.prompt for s in b]
+    assert [s.prompt for s in a] != [s.prompt for s in c]
+    assert len({s.prompt for s in a}) == 3
+    for s in a:
+        assert 0.9 * 1024 <= count(s.prompt) <= 1.1 * 1024
+        evidence = " ".join(s.prompt[x:y] for x, y in s.evidence)
+        assert all(ans in evidence for ans in s.answers)  # the gold answer is stated in the evidence
+        assert s.metric in ("contains_all",) and s.max_new_tokens > 0
+
+
+def test_two_hop_evidence_is_two_far_apart_facts():
+    (s,) = tasks.generate("twohop", 1, 2048, count, depth=0.2)
+    (a0, a1), (b0, b1) = s.evidence
+    assert "lives in" in s.prompt[a0:a1] and "secret code" in s.prompt[b0:b1]
+    assert b0 - a1 > 0.3 * len(s.prompt)  # dispersed: the two facts are far apart
+    city = s.prompt[a0:a1].split(" lives in ")[1].rstrip(".")
+    assert city in s.prompt[b0:b1]
+
+
+def test_depth_places_the_needle():
+    words = lambda text: len(text) // 4  # noqa: E731 - about a real tokenizer's rate
+    early = tasks.generate("single", 1, 2048, words, depth=0.1)[0]
+    late = tasks.generate("single", 1, 2048, words, depth=0.9)[0]
+    assert early.evidence[0][0] / len(early.prompt) < 0.2
+    assert late.evidence[0][0] / len(late.prompt) > 0.8
+
+
+def test_bad_task_arguments():
+    with pytest.raises(KvliteError, match="unknown task"):
+        tasks.generate("needle", 1, 1024, count)
+    with pytest.raises(KvliteError, match="too short"):
+        tasks.generate("single", 1, 64, count)
+    with pytest.raises(KvliteError, match="depth"):
+        tasks.generate("single", 1, 1024, count, depth=1.5)
+
+
+def test_evidence_token_positions_decode_to_the_statement(tiny_model):
+    (s,) = tasks.generate("single", 1, 512, count, seed=3)
+    prompt = tokenize(tiny_model, s)
+    text = tiny_model.detokenize([prompt.tokens[p] for p in prompt.evidence])
+    assert text.strip() == s.prompt[slice(*s.evidence[0])]
