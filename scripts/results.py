@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="n=1, budget 128, two policies: check the script")
     ap.add_argument("--models", default="smol,qwen")
     ap.add_argument("--n-smol", type=int, default=6)
-    ap.add_argument("--n-qwen", type=int, default=4)
+    ap.add_argument("--n-qwen", type=int, default=3)
     ap.add_argument("--skip-run", action="store_true", help="only write the tables from results-runs/")
     ap.add_argument("--out", default=str(ROOT / "results-runs"))
     args = ap.parse_args()
@@ -142,9 +142,11 @@ def main() -> None:
         out, plots = out / "quick", out / "quick" / "plots"
 
     calib, main_records, sweep_records, rows = {}, {}, {}, []
-    for m in models:
-        calib[m] = run(f"calib-{m}", out, models=[MODELS[m]], tasks=TASKS, lengths=[1024, 2048], n=n[m],
+    for m in models:  # 1K prompts with each model's n; 2K with 3 samples (they cost twice as much)
+        calib[m] = run(f"calib-{m}", out, models=[MODELS[m]], tasks=TASKS, lengths=[1024], n=n[m],
                        policies=["full"], budgets=[128])  # fmt: skip
+        calib[m] += run(f"calib2k-{m}", out, models=[MODELS[m]], tasks=TASKS, lengths=[2048], n=min(n[m], 3),
+                        policies=["full"], budgets=[128])  # fmt: skip
     calib_md, solved = calibration_table(calib)
     for m in models:
         tasks = [t for t in TASKS if solved.get((m, f"{t}/1024"), 0) >= SOLVED]

@@ -61,3 +61,15 @@ def test_bad_metric_and_dataset_are_one_line_errors(tiny_paths, tmp_path):
     assert r.returncode == 1 and "plain.jsonl:1: unknown LongBench dataset 'hotpot'" in r.stderr
     r = run_cli("eval", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))
     assert r.returncode == 1 and "data file not found" in r.stderr
+
+
+def test_long_prompts_keep_their_first_and_last_halves(tiny_model):
+    from kvlite.eval.evaluate import tokenize
+    from kvlite.eval.tasks import Sample
+
+    sample = Sample("trec", 1, "HEAD " + "filler " * 200 + " TAIL", ["x"], "qa_f1", 8, chat=False)
+    prompt = tokenize(tiny_model, sample, max_length=100)
+    assert len(prompt.tokens) == 100
+    text = tiny_model.detokenize(prompt.tokens).strip()
+    assert text.startswith("HEAD") and text.endswith("TAIL") and "filler" in text
+    assert len(tokenize(tiny_model, sample).tokens) > 1000  # the model's context (4096) holds it whole

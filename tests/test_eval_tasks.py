@@ -57,3 +57,9 @@ def test_evidence_token_positions_decode_to_the_statement(tiny_model):
     prompt = tokenize(tiny_model, s)
     text = tiny_model.detokenize([prompt.tokens[p] for p in prompt.evidence])
     assert text.strip() == s.prompt[slice(*s.evidence[0])]
+
+
+def test_sample_i_does_not_depend_on_n():
+    few = tasks.generate("twohop", 2, 512, count, seed=1)
+    many = tasks.generate("twohop", 5, 512, count, seed=1)
+    assert [s.prompt for s in few] == [s.prompt for s in many[:2]]

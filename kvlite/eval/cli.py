@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
                    "echokv")  # fmt: skip
     p.add_argument("--budgets", type=_ints, default=None, help="comma-separated KV budgets (default 128,256)")
     p.add_argument("--n-predict", type=int, default=None, help="generation length (default: each task's)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="longer prompts keep their first and last halves, as LongBench does "
+                   "(default: the model's training context)")  # fmt: skip
     p.add_argument("--diagnostics", action="store_true", default=None,
                    help="also measure EchoKV's KV overlap (Table 1) on generated samples")  # fmt: skip
     p.add_argument("-t", "--threads", type=int, default=None)
@@ -65,7 +68,7 @@ def cmd_eval(args) -> int:
     from .grid import Grid, GridConfig, read_records
 
     overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
-                                               "n", "seed", "depth", "policies", "budgets", "n_predict",
+                                               "n", "seed", "depth", "policies", "budgets", "n_predict", "max_length",
                                                "diagnostics", "threads", "shard", "out")}  # fmt: skip
     cfg = GridConfig.load(args.config, overrides)
     out = cfg.out_dir

@@ -36,7 +36,13 @@ class Prompt:
     max_new_tokens: int
 
 
-def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None) -> Prompt:
+def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None, max_length: int = 0) -> Prompt:
+    """max_length: a longer prompt keeps its first and last max_length/2 tokens, as LongBench's pred.py
+    does (0: the model's training context less the generation and a lookahead's room)."""
+    max_new = max_new_tokens or sample.max_new_tokens
+    if not max_length and model.info.n_ctx_train:
+        max_length = model.info.n_ctx_train - max_new - 64
+
     def encode(text: str) -> list[int]:
         return model.tokenize(text, add_special=True, parse_special=sample.chat)
 
@@ -49,7 +55,11 @@ def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None) ->
     evidence: list[int] = []
     for a, b in sample.evidence:  # token positions of a character span: the lengths of its prefixes
         evidence.extend(range(len(encode(text[: offset + a])), len(encode(text[: offset + b]))))
-    return Prompt(sample, tokens, sorted(set(evidence)), max_new_tokens or sample.max_new_tokens)
+    if max_length and len(tokens) > max_length:
+        half = max_length // 2
+        tokens = tokens[:half] + tokens[-half:]
+        evidence = []  # positions moved; truncation is for LongBench files, which carry no evidence
+    return Prompt(sample, tokens, sorted(set(evidence)), max_new)
 
 
 @dataclasses.dataclass
@@ -108,20 +118,22 @@ class SampleRun:
         runner = self.runner(policy)
         reusable = reuse is not None and not policy.scores_depend_on_budget() and not policy.continuous
         try:
-            if reusable and reuse in self.scores:
-                runner.reuse_scores = self.scores[reuse][0]
+            memo = self.scores.get(reuse) if reusable else None
+            if memo is not None:
+                runner.reuse_scores = memo[0]
             self._read_prompt(runner)
-            if reusable and reuse not in self.scores and runner.last_scores is not None:
-                self.scores[reuse] = (runner.last_scores, runner.workspace_views)
-            views = self.scores[reuse][1] if reusable and reuse in self.scores else runner.workspace_views
-            views = [v[v < n] for v in views]
+            if reusable and memo is None and runner.last_scores is not None:
+                memo = self.scores[reuse] = (runner.last_scores, runner.workspace_views)
+            views = [v[v < n] for v in (memo[1] if memo else runner.workspace_views)]
             out, stopped = runner.generate(prompt.max_new_tokens)
             kept = runner.cache_report(n)["kept_positions"]
             t1 = time.perf_counter()
             if self.reference is None and isinstance(policy, FullKV):
                 self.reference = Reference(out, self._teacher_forced(runner, out))
+                logits = self.reference.logits
+            elif self.reference is not None:
+                logits = self._teacher_forced(runner, self.reference.tokens)
             ref = self.reference
-            logits = self._teacher_forced(runner, ref.tokens) if ref is not None else None
             tf_s = time.perf_counter() - t1
         finally:
             runner.close()

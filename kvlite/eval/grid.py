@@ -43,6 +43,7 @@ class GridConfig:
     policies: list[str] = dataclasses.field(default_factory=lambda: ["full", "streaming", "snapkv", "echokv"])
     budgets: list[int] = dataclasses.field(default_factory=lambda: [128, 256])
     n_predict: int | None = None  # overrides each task's generation length
+    max_length: int = 0  # longer prompts keep their first and last halves (0: the model's context)
     diagnostics: bool = False  # EchoKV Table 1 overlap per generated sample
     diagnostics_budget: int = 128
     diagnostics_workspace: int = 256
@@ -225,7 +226,7 @@ class Grid:
         if not todo and not want_diag:
             return
         try:
-            prompt = tokenize(model, sample, cfg.n_predict)
+            prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
             extra = max(
                 [policy_for(p, b).lookahead_cells() for p, b in self.cells if self._valid(p, b)] + [8], default=8
             )

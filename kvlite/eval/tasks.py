@@ -168,7 +168,8 @@ TASKS: dict[str, TaskKind] = {
 def generate(
     task: str, n: int, length: int, count_tokens: Callable[[str], int], seed: int = 0, depth: float | None = None
 ) -> list[Sample]:
-    """n samples of a task at about `length` prompt tokens. depth None: spread over [0.1, 0.9]."""
+    """n samples of a task at about `length` prompt tokens. depth None: drawn from [0.1, 0.9]. Sample i
+    is the same whatever n is, so grids of different sizes share their first samples."""
     kind = TASKS.get(task)
     if kind is None:
         raise KvliteError(f"unknown task '{task}': choose from {', '.join(TASKS)}")
@@ -179,7 +180,7 @@ def generate(
     out = []
     for i in range(n):
         rng = random.Random(f"{seed}/{task}/{length}/{i}")
-        d = depth if depth is not None else 0.1 + 0.8 * (i + 0.5) / n
+        d = depth if depth is not None else 0.1 + 0.8 * rng.random()
         text, answers, spans = kind.make(Builder(count_tokens, rng), length, d)
         out.append(Sample(f"{task}/{length}", i, text, answers, kind.metric, kind.max_new_tokens, True, spans))
     return out
