@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import run_cli
+
 from kvlite.engine import SamplingParams
 from kvlite.errors import KvliteError
 from kvlite.eval import tasks

@@ -6,6 +6,7 @@ import csv
 import pathlib
 
 from conftest import run_cli
+
 from kvlite.eval import longbench
 
 DATA = pathlib.Path(__file__).parent / "data" / "longbench_mini.jsonl"
