@@ -156,3 +156,18 @@ def test_specs_and_config(tmp_path):
     with pytest.raises(KvliteError, match="shard"):
         GridConfig.load(None, {"shard": "3/2"})
     assert np.isfinite(len(cfg.tasks))
+
+
+def test_config_file_with_cli_overrides_and_json(tiny_paths, tmp_path):
+    cfg = tmp_path / "grid.toml"
+    cfg.write_text(
+        f'models = ["{tiny_paths["llama"]}"]\ntasks = ["vt"]\nlengths = [300]\nn = 1\n'
+        'policies = ["full", "tova", "echokv(T=2,B1=64)"]\nbudgets = [24, 48]\nn-predict = 4\n'
+    )
+    r = run_cli("eval", "--config", str(cfg), "--budgets", "48", "--out", str(tmp_path / "o"), "--json", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert {(x["task"], x["policy"], x["budget"], x["n"]) for x in rows} == {
+        ("vt/300", "full", None, 1), ("vt/300", "tova", 48, 1), ("vt/300", "echokv(T=2,B1=64)", 48, 1)
+    }  # fmt: skip
+    assert "harness overhead" not in r.stdout  # stdout is the JSON alone

@@ -60,3 +60,5 @@ def test_throughput_split():
     # total 4 + 2 + 6 = 12; model 6 + 1.5 + 1.5 + 0.75 = 9.75; policies 1; overhead 1.25
     assert (t["total_s"], t["model_s"], t["policy_s"]) == (12.0, 9.75, 1.0)
     assert t["overhead_s"] == pytest.approx(1.25) and t["overhead_share"] == pytest.approx(1.25 / 12)
+    same = [{"model": "m", "task": "t", "sample": 0, **r} for r in timed]
+    assert report.throughput(same)["replay_saved_s"] == 6.0  # the second cell would have read the prompt again

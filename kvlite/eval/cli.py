@@ -104,7 +104,8 @@ def cmd_eval(args) -> int:
         if t["total_s"]:
             share = 100 * t["overhead_share"]
             print(f"[kvlite eval] {t['cells']} cells, {t['total_s']:.0f} s: model {t['model_s']:.0f} s, policies "
-                  f"{t['policy_s']:.0f} s, harness overhead {share:.1f}%", file=sys.stderr)  # fmt: skip
+                  f"{t['policy_s']:.0f} s, harness overhead {share:.1f}%; reading each prompt once saved "
+                  f"~{t['replay_saved_s']:.0f} s", file=sys.stderr)  # fmt: skip
     if failures:
         print(f"kvlite eval: {failures} cell(s) or line(s) failed (see {out}/errors*.jsonl); the rest is in {out}",
               file=sys.stderr)  # fmt: skip
