@@ -171,3 +171,18 @@ def test_config_file_with_cli_overrides_and_json(tiny_paths, tmp_path):
         ("vt/300", "full", None, 1), ("vt/300", "tova", 48, 1), ("vt/300", "echokv(T=2,B1=64)", 48, 1)
     }  # fmt: skip
     assert "harness overhead" not in r.stdout  # stdout is the JSON alone
+
+
+def test_restored_cache_agrees_with_llama_state(tiny_model, prompt):
+    run = SampleRun(tiny_model, prompt, tail=32)
+    runner = run.runner(SnapKV(budget=40))
+    try:
+        for _ in range(2):  # a second restore replaces the first one's evicted cache entirely
+            runner.restore(run.snapshot)
+            assert runner.cache.n_pos == len(prompt.tokens) - 32
+            assert np.array_equal(runner.cache.positions(), runner.cache.llama_positions(0))
+            runner.feed(prompt.tokens[-32:])
+            assert runner.cache.n_resident == 40
+            assert np.array_equal(runner.cache.positions(), runner.cache.llama_positions(0))
+    finally:
+        runner.close()

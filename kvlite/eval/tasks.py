@@ -115,19 +115,17 @@ def multi_key(b: Builder, target: int, depth: float, n_keys: int = 4) -> tuple[s
 
 def two_hop(b: Builder, target: int, depth: float) -> tuple[str, list[str], list]:
     """Two facts far apart that must be joined: who lives where (at `depth`), and the code of that
-    city (at depth + 0.5). A distractor city's code sits between them."""
+    city (half the text later). The question names neither the city nor the code, and comes first
+    as well as last: asked only at the end, both test models answered with the city (calibration
+    in docs/results.md)."""
     person = b.rng.choice(PEOPLE)
-    city, other = b.rng.sample(CITIES, 2)
-    code, other_code = _code(b.rng), _code(b.rng)
-    facts = [
-        (depth, f"{person} lives in {city}."),
-        ((depth + 0.5) % 1.0, f"The secret code of {city} is {code}."),
-        ((depth + 0.25) % 1.0, f"The secret code of {other} is {other_code}."),
-    ]
-    head = "Read the text. Some facts about people and cities are hidden in it."
-    q = f"What is the secret code of the city where {person} lives? Answer with the code."
+    city = b.rng.choice(CITIES)
+    code = _code(b.rng)
+    facts = [(depth, f"{person} lives in {city}."), ((depth + 0.5) % 1.0, f"The secret code of {city} is {code}.")]
+    q = f"What is the secret code of the city where {person} lives?"
+    head = "Read the text. Some facts about people and cities are hidden in it. Afterwards, answer this question: " + q
     text, spans = b.build(head, facts, q, target)
-    return text, [code], spans[:2]
+    return text, [code], spans
 
 
 def variable_tracking(b: Builder, target: int, depth: float, hops: int = 4) -> tuple[str, list[str], list]:
