@@ -151,7 +151,7 @@ class Runner:
         self._compact_due = False
         self.kept_positions = None
         self.workspace_views = []
-        self.last_scores = self.reuse_scores = None
+        self.last_scores = None  # reuse_scores stays: it is meant for this restored prompt
         self.workspace_forward_passes = 0
         self.timings = Timings()
         if self.capture is not None:

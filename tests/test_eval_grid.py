@@ -78,6 +78,7 @@ def test_scores_reused_across_budgets_equal_fresh_ones(tiny_model, prompt):
         shared.cell(make(64), reuse="p")
         reused = shared.cell(make(40), reuse="p")
         again = fresh.cell(make(40))
+        assert reused["scores_reused"] and not again["scores_reused"]
         assert reused["kept"] == again["kept"] and reused["generated"] == again["generated"]
         assert reused["workspace_evidence"] == again["workspace_evidence"]
         shared.scores.clear()
@@ -87,6 +88,7 @@ def test_votes_scores_are_not_reused(tiny_model, prompt):
     run = SampleRun(tiny_model, prompt, tail=32)
     run.cell(SnapKV(budget=64, aggregation="votes"), reuse="v")
     assert "v" not in run.scores  # votes depend on the budget
+    assert not run.cell(SnapKV(budget=40, aggregation="votes"), reuse="v")["scores_reused"]
 
 
 def test_resumed_grid_equals_uninterrupted(tiny_paths, tmp_path, uninterrupted):

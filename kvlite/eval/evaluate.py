@@ -119,6 +119,7 @@ class SampleRun:
         reusable = reuse is not None and not policy.scores_depend_on_budget() and not policy.continuous
         try:
             memo = self.scores.get(reuse) if reusable else None
+            fresh = memo is None
             if memo is not None:
                 runner.reuse_scores = memo[0]
             self._read_prompt(runner)
@@ -149,6 +150,7 @@ class SampleRun:
             "evidence_kept": metrics.retention(kept, prompt.evidence) if policy.budget else None,
             "workspace_evidence": [metrics.retention(v, prompt.evidence) for v in views],
             "workspace_sizes": [len(v) for v in views],
+            "scores_reused": not fresh and runner.reuse_scores is None,  # the runner consumed them
         }
         if ref is not None:
             record["exact_match"] = float(out == ref.tokens)
