@@ -33,17 +33,24 @@ def add_parser(sub) -> None:
         "summary.csv, summary.md and plots/. Command-line values override a --config TOML file.",
     )
     p.add_argument("--config", help="TOML file with any of the options below (e.g. policies = ['full', 'echokv'])")
-    p.add_argument("-m", "--model", dest="models", action="append", default=None,
+    p.add_argument("-m", "--model", dest="models", action="append", default=None, metavar="MODEL",
                    help="GGUF model (repeat for several; default: SmolLM2-135M-Instruct)")  # fmt: skip
     p.add_argument("--data", action="append", default=None, help="LongBench-format JSONL file (repeatable)")
     p.add_argument("--dataset", default=None, help="LongBench dataset name for lines without a 'dataset' field")
     p.add_argument("--metric", default=None, help="override the dataset's metric")
     p.add_argument("--limit", type=int, default=None, help="at most this many samples per data file")
-    p.add_argument("--tasks", type=_names, default=None, help=f"generated tasks: {', '.join(TASKS)}")
+    p.add_argument(
+        "--tasks",
+        type=_names,
+        default=None,
+        help=f"generated tasks: {', '.join(TASKS)} (default single,multikey,twohop unless --data)",
+    )
     p.add_argument("--lengths", type=_ints, default=None, help="prompt lengths in tokens (default 1024)")
     p.add_argument("-n", type=int, default=None, help="samples per task and length (default 4)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--depth", type=float, default=None, help="evidence depth in [0, 1] (default: spread)")
+    p.add_argument(
+        "--depth", type=float, default=None, help="evidence depth in [0, 1] (default: drawn per sample from [0.1, 0.9])"
+    )
     p.add_argument("--policies", type=split_policies, default=None,
                    help="comma-separated, parameters as echokv(T=8,aggregate=mean); default: full,streaming,snapkv,"
                    "echokv")  # fmt: skip

@@ -28,10 +28,13 @@ ALIASES = {
 }  # fmt: skip
 
 
+DEFAULT_TASKS = ["single", "multikey", "twohop"]
+
+
 @dataclasses.dataclass
 class GridConfig:
     models: list[str] = dataclasses.field(default_factory=lambda: ["default"])
-    tasks: list[str] = dataclasses.field(default_factory=lambda: ["single", "multikey", "twohop"])
+    tasks: list[str] | None = None  # generated tasks; None: DEFAULT_TASKS unless `data` is given
     lengths: list[int] = dataclasses.field(default_factory=lambda: [1024])
     n: int = 4  # samples per generated task and length
     seed: int = 0
@@ -79,6 +82,8 @@ class GridConfig:
             raise KvliteError(f"budgets must be positive, got {self.budgets}")
         if self.n < 0:
             raise KvliteError(f"n must be >= 0, got {self.n}")
+        if self.tasks is None:
+            self.tasks = [] if self.data else list(DEFAULT_TASKS)
         for t in self.tasks:
             if t not in tasks.TASKS:
                 raise KvliteError(f"unknown task '{t}': choose from {', '.join(tasks.TASKS)}")
@@ -155,6 +160,7 @@ def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dic
 
 class Grid:
     def __init__(self, cfg: GridConfig, log=None):
+        cfg.validate()
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.shard, self.n_shards = shard_of(cfg.shard)
@@ -184,7 +190,7 @@ class Grid:
                 self._fail({"data": str(path)}, e)
             listed.extend(samples[: cfg.limit] if cfg.limit else samples)
         count = lambda text: len(model.tokenize(text, add_special=False, parse_special=False))  # noqa: E731
-        for t in cfg.tasks if not cfg.data else []:
+        for t in cfg.tasks:
             for length in cfg.lengths:
                 listed.extend(tasks.generate(t, cfg.n, length, count, cfg.seed, cfg.depth))
         for i, s in enumerate(listed):
@@ -277,6 +283,6 @@ class Grid:
             with open(path, encoding="utf-8") as f:
                 rows = sum(1 for line in f if line.strip())
             n_data += min(rows, cfg.limit) if cfg.limit else rows
-        n_samples = n_data if cfg.data else len(cfg.tasks) * len(cfg.lengths) * cfg.n
+        n_samples = n_data + len(cfg.tasks) * len(cfg.lengths) * cfg.n
         mine = len(range(self.shard - 1, n_samples, self.n_shards))
         return mine * len(self.cells) * len(cfg.models)
