@@ -35,8 +35,17 @@ def summarize(records: list[dict]) -> list[dict]:
                "n": len(rs), "model": model}  # fmt: skip
         row.update({k: _mean([r.get(k) for r in rs]) for k in FIDELITY})
         rows.append(row)
-    rows.sort(key=lambda r: (r["model"], r["task"], r["policy"] != "full", r["policy"], _budget_order(r["budget"])))
+    rows.sort(key=lambda r: (r["model"], r["task"], _policy_order(r["policy"]), _budget_order(r["budget"])))
     return rows
+
+
+def _policy_order(spec: str) -> tuple:
+    """Registry order (full, streaming, ... cc-fast), variants after their base policy."""
+    from ..policies import POLICIES
+
+    names = list(POLICIES)
+    base = spec.split("(")[0]
+    return (names.index(base) if base in names else len(names), spec)
 
 
 def _fmt(v, digits: int = 3) -> str:
@@ -84,7 +93,7 @@ def fidelity_markdown(rows: list[dict], model: str) -> str:
         "| policy | budget | KL (nats) | top-1 | token agreement | exact match | evidence kept |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (policy, budget), rs in sorted(acc.items(), key=lambda kv: (kv[0][0], _budget_order(kv[0][1]))):
+    for (policy, budget), rs in sorted(acc.items(), key=lambda kv: (_policy_order(kv[0][0]), _budget_order(kv[0][1]))):
         vals = [_mean([r[k] for r in rs]) for k in ("kl", "top1", "token_agreement", "exact_match", "evidence_kept")]
         lines.append(f"| {policy} | {budget} | " + " | ".join(_fmt(v) for v in vals) + " |")
     return "\n".join(lines)
