@@ -39,7 +39,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=None, help="KV cells kept after eviction, sinks included")
     p.add_argument("--sinks", type=int, default=4, help="first positions always kept (attention sinks)")
     p.add_argument("--window", type=int, default=None, help="most recent tokens always kept")
-    p.add_argument("-T", "--lookahead", type=int, default=None, help="lookahead steps (echokv, laq, dapq; default 16)")
+    p.add_argument("-T", "--lookahead", type=int, default=None, help="lookahead steps (echokv 24, laq and dapq 16)")
     p.add_argument("--workspace", type=int, default=None, help="prompt tokens a lookahead workspace views (B1)")
     p.add_argument("--anchors", type=int, default=None, help="last prompt queries rotated into proposals (S)")
     p.add_argument("--pool-kernel", type=int, default=None, help="max-pool smoothing of attention scores (odd)")
