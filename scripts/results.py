@@ -81,7 +81,9 @@ def overlap_table(records: list[dict]) -> str:
         vals = np.mean([d[kind] for d in diags], axis=0)
         rows.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     d = diags[0]
-    rows.append(f"\nB = {d['budget']}, B1 = {d['workspace']}, T = {d['lookahead']}, {len(diags)} samples.")
+    kernel = d.get("pool_kernel", 7)  # runs before it was recorded used smoothing 7
+    rows.append(f"\nB = {d['budget']}, B1 = {d['workspace']}, T = {d['lookahead']}, smoothing {kernel}, "
+                f"{len(diags)} samples.")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -216,6 +216,7 @@ class SampleRun:
                 "frozen": [metrics.topk_overlap(sets(frozen, k), truth[k], budget) for k in ks],
                 "refreshed": [metrics.topk_overlap(sets(refreshed, k), truth[k], budget) for k in ks],
                 "workspace": b1,
+                "pool_kernel": policy.pool_kernel,
                 "lookahead": lookahead,
                 "budget": budget,
             }
