@@ -152,5 +152,5 @@ def test_every_policy_on_smollm2(smol_model):
         assert len(kept) == 128 and set(range(4)) <= set(kept.tolist()) and kept[-1] == len(tokens) - 1, name
         assert not runner.cache.workspace_active and len(runner.cache.llama_positions(1)) == 0, name
         assert np.array_equal(runner.cache.llama_positions(0), kept), name
-        assert runner.workspace_forward_passes == (16 if name in ("echokv", "laq") else 0), name
+        assert runner.workspace_forward_passes == (runner.policy.lookahead if name in ("echokv", "laq") else 0), name
         runner.close()

@@ -158,6 +158,11 @@ def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dic
     return list(records.values())
 
 
+def _message(e: Exception) -> str:
+    """Our errors say what to do; anything else is named by its type."""
+    return str(e) if isinstance(e, KvliteError) else f"{type(e).__name__}: {e}"
+
+
 class Grid:
     def __init__(self, cfg: GridConfig, log=None):
         cfg.validate()
@@ -233,12 +238,10 @@ class Grid:
             return
         try:
             prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
-            extra = max(
-                [policy_for(p, b).lookahead_cells() for p, b in self.cells if self._valid(p, b)] + [8], default=8
-            )
+            extra = max([8] + [policy_for(p, b).lookahead_cells() for p, b in self.cells if self._valid(p, b)])
             run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=extra)
         except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
-            self._fail(base, f"{type(e).__name__}: {e}" if not isinstance(e, KvliteError) else str(e))
+            self._fail(base, _message(e))
             if progress:
                 progress(len(todo))
             return
@@ -260,7 +263,7 @@ class Grid:
                 if not (rerun_full and i == 0):
                     self._append(self.samples_path, {**where, **record, "evidence": prompt.evidence})
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
-                self._fail(where, str(e) if isinstance(e, KvliteError) else f"{type(e).__name__}: {e}")
+                self._fail(where, _message(e))
             if progress and not (rerun_full and i == 0):
                 progress(1)
         if want_diag:
@@ -269,7 +272,7 @@ class Grid:
                 diag = run.overlap(cfg.diagnostics_budget, workspace=cfg.diagnostics_workspace)
                 self._append(self.samples_path, {**where, "overlap": diag})
             except Exception as e:  # noqa: BLE001
-                self._fail(where, str(e) if isinstance(e, KvliteError) else f"{type(e).__name__}: {e}")
+                self._fail(where, _message(e))
 
     def count_todo(self) -> int:
         """Cells left in this shard (for the progress bar), without loading a model."""
