@@ -176,7 +176,9 @@ class Grid:
         self.failures = 0
         evicting = [p for p in cfg.policies if parse_spec(p)[0] != "full"]
         self.cells = [("full", None)] + [(p, b) for p in evicting for b in cfg.budgets]
-        self.tail = max([1] + [policy_for(p, b).observed_tokens() for p, b in self.cells if self._valid(p, b)])
+        valid = [policy_for(p, b) for p, b in self.cells if self._valid(p, b)]
+        self.tail = max([1] + [p.observed_tokens() for p in valid])  # prompt tokens every cell feeds itself
+        self.lookahead_cells = max([8] + [p.lookahead_cells() for p in valid])
 
     def _valid(self, spec: str, budget: int | None) -> bool:
         try:
@@ -238,8 +240,7 @@ class Grid:
             return
         try:
             prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
-            extra = max([8] + [policy_for(p, b).lookahead_cells() for p, b in self.cells if self._valid(p, b)])
-            run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=extra)
+            run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=self.lookahead_cells)
         except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
             self._fail(base, _message(e))
             if progress:
