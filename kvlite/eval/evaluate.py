@@ -190,22 +190,17 @@ class SampleRun:
         try:
             self._read_prompt(runner)
             obs = Observation(runner)
-            b1 = policy.workspace
-            w1 = obs.top(policy.score_queries(obs, obs.proposals(policy.anchors, lookahead)), b1)
 
-            def run(view: np.ndarray, refresh: bool) -> np.ndarray:
+            def frozen(view: np.ndarray) -> np.ndarray:
                 look = obs.lookahead(view)
                 try:
-                    if not refresh:
-                        return look.step(lookahead)
-                    q1 = look.step(lookahead // 2)
-                    look.view(obs.top(policy.score_queries(obs, q1), b1))
-                    return np.concatenate([q1, look.step(lookahead - lookahead // 2)], axis=2)
+                    return look.step(lookahead)
                 finally:
                     look.close()
 
-            true = run(obs.positions, refresh=False)  # the whole prompt in view: the full cache
-            frozen, refreshed = run(w1, refresh=False), run(w1, refresh=True)
+            true = frozen(obs.positions)  # the whole prompt in view: the full cache
+            w1_frozen = frozen(policy.bootstrap(obs))
+            refreshed = policy.lookahead_queries(obs)  # EchoKV's own schedule
 
             def sets(q: np.ndarray, k: int) -> np.ndarray:
                 return obs.pooled(np.ascontiguousarray(q[:, :, k : k + 1]), policy.pool_kernel)
@@ -213,9 +208,9 @@ class SampleRun:
             ks = range(min(steps, lookahead))
             truth = [sets(true, k) for k in ks]
             return {
-                "frozen": [metrics.topk_overlap(sets(frozen, k), truth[k], budget) for k in ks],
+                "frozen": [metrics.topk_overlap(sets(w1_frozen, k), truth[k], budget) for k in ks],
                 "refreshed": [metrics.topk_overlap(sets(refreshed, k), truth[k], budget) for k in ks],
-                "workspace": b1,
+                "workspace": policy.workspace,
                 "pool_kernel": policy.pool_kernel,
                 "lookahead": lookahead,
                 "budget": budget,

@@ -79,14 +79,21 @@ class EchoKV(LookaheadPolicy):
     def observed_tokens(self) -> int:
         return self.anchors
 
-    def scores(self, obs: Observation) -> np.ndarray:
+    def bootstrap(self, obs: Observation) -> np.ndarray:
+        """W1: the top-B1 prompt positions under the proposals (Eq. 2, 3)."""
+        return obs.top(self.score_queries(obs, obs.proposals(self.anchors, self.lookahead)), self.workspace)
+
+    def lookahead_queries(self, obs: Observation) -> np.ndarray:
+        """[Q1; Q2]: T/2 greedy steps on W1, the repair to W2, T/2 more steps."""
         half = self.lookahead // 2
-        w1 = obs.top(self.score_queries(obs, obs.proposals(self.anchors, self.lookahead)), self.workspace)
-        look = obs.lookahead(w1)
+        look = obs.lookahead(self.bootstrap(obs))
         try:
             q1 = look.step(half)
             look.view(obs.top(self.score_queries(obs, q1), self.workspace))
             q2 = look.step(half)
         finally:
             look.close()
-        return self.score_queries(obs, np.concatenate([q1, q2], axis=2))
+        return np.concatenate([q1, q2], axis=2)
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        return self.score_queries(obs, self.lookahead_queries(obs))
