@@ -9,6 +9,7 @@ from .policies import (  # noqa: E402
     LAQ,
     TOVA,
     CounterCausal,
+    CounterCausalBlind,
     CounterCausalFast,
     DapQ,
     EchoKV,
@@ -19,6 +20,6 @@ from .policies import (  # noqa: E402
 )
 
 __all__ = [
-    "H2O", "LAQ", "TOVA", "CounterCausal", "CounterCausalFast", "DapQ", "EchoKV", "FullKV", "KvliteError",
-    "Session", "SnapKV", "StreamingLLM", "__version__", "make_policy",
+    "H2O", "LAQ", "TOVA", "CounterCausal", "CounterCausalBlind", "CounterCausalFast", "DapQ", "EchoKV", "FullKV",
+    "KvliteError", "Session", "SnapKV", "StreamingLLM", "__version__", "make_policy",
 ]  # fmt: skip

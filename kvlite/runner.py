@@ -122,6 +122,8 @@ class Runner:
         self.kept_positions: np.ndarray | None = None
         self.workspace_views: list[np.ndarray] = []  # what the last eviction's lookahead rounds viewed
         self.last_scores: np.ndarray | None = None
+        # When a list: the positions resident after each eviction (the cache-evolution picture).
+        self.history: list[np.ndarray] | None = None
         # Scores of this very cache from an earlier run of the same policy at another budget
         # (evaluation grids; only for policies whose scores do not depend on the budget).
         self.reuse_scores: np.ndarray | None = None
@@ -188,6 +190,8 @@ class Runner:
         )
         if self.cache.evict(keep):
             self._compact_due = True
+        if self.history is not None:
+            self.history.append(np.asarray(keep))
         self.timings.evict_s += time.perf_counter() - t0
 
     def _compact(self) -> None:

@@ -152,7 +152,8 @@ static struct ggml_tensor * kvl_cc_attention(struct ggml_context * g, const stru
 // the nearest `gap` ones (the reference code's min_gap, against K/V leakage; 0 in the paper).
 //   tokens, pos: i32 [n], cells in strictly DESCENDING position order
 //   k, v:        kv_type (0 f32, 1 f16) [n_layer - first_layer, n, n_head_kv * head_dim]
-//   hidden:      f32 [n, n_embd], the input of first_layer (unused when first_layer == 0)
+//   hidden:      f32 [n, n_embd], the input of first_layer (required when first_layer > 0; at layer 0,
+//                NULL reads the token embeddings, and rows given replace them)
 //   out:         f32 [n]; the first gap + 1 cells see nothing: their values mean nothing
 //   block:       query rows per attention block (0: keep the score matrix near 64 MB)
 //   n >= gap + 2
@@ -162,6 +163,7 @@ int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first
                        const float * hidden, float * out) {
     const struct kvl_hparams * hp = &m->hp;
     if (!c || !m || gap < 0 || n < gap + 2 || first_layer < 0 || first_layer >= hp->n_layer) return KVL_BAD_SHAPE;
+    if (first_layer > 0 && !hidden) return KVL_BAD_SHAPE;
     if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
     const int D = hp->head_dim, Hkv = hp->n_head_kv, n_used = hp->n_layer - first_layer;
     if (block <= 0) block = kvl_cc_block(n, hp->n_head);
@@ -175,7 +177,9 @@ int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first
     struct ggml_tensor * t_pos = ggml_new_tensor_1d(g, GGML_TYPE_I32, n);
     struct ggml_tensor * t_k = ggml_new_tensor_4d(g, (enum ggml_type) kv_type, D, Hkv, n, n_used);
     struct ggml_tensor * t_v = ggml_new_tensor_4d(g, (enum ggml_type) kv_type, D, Hkv, n, n_used);
-    struct ggml_tensor * t_h = first_layer > 0 ? ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, n) : NULL;
+    // The input rows of first_layer: required from layer 1 on; at layer 0 they replace the token
+    // embeddings when given (kvlite's blind variant feeds a neutral row there).
+    struct ggml_tensor * t_h = first_layer > 0 || hidden ? ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, n) : NULL;
     ggml_set_input(t_tok);
     ggml_set_input(t_pos);
     ggml_set_input(t_k);

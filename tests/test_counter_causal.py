@@ -63,7 +63,7 @@ def _engine_cache(path, toks, keep=None):
     return model, cache
 
 
-def _twin_from(ref, contents: CacheContents, variant, score, min_gap=0):
+def _twin_from(ref, contents: CacheContents, variant, score, min_gap=0, blind=False):
     info = ref.info
     first = 0 if variant == "full" else info.n_layer - 1
     shape = (info.n_layer - first, len(contents.tokens), info.n_head_kv, info.head_dim)
@@ -72,7 +72,7 @@ def _twin_from(ref, contents: CacheContents, variant, score, min_gap=0):
     hidden = None if contents.hidden is None else torch.from_numpy(contents.hidden).to(ref.dtype)
     return counter_causal_logits(
         ref, torch.from_numpy(contents.tokens.astype(np.int64)), torch.from_numpy(contents.positions.astype(np.int64)),
-        k, v, first, hidden, score, min_gap,
+        k, v, first, hidden, score, min_gap, blind,
     ).numpy()  # fmt: skip
 
 
@@ -99,6 +99,55 @@ def test_native_matches_twin_on_tiny_models(tiny_path, variant, score, holes):
     assert np.array_equal(
         select_keep(positions, surprise(got), budget, prot), select_keep(positions, surprise(want), budget, prot)
     )
+
+
+def test_blind_twin_matches_its_definition(tiny_path):
+    """Blind: cell i's own input is the mean token embedding, everything else as the paper's pass:
+    a plain forward of that embedding at p_i over a cache of the later cells only."""
+    ref = ReferenceModel(tiny_path)
+    n = 10
+    toks = _tokens(n, ref.info.n_vocab, 6)
+    rc = ref.new_cache()
+    ref.forward(toks, range(n), rc)
+    twin = counter_causal_logits(ref, torch.tensor(toks), torch.arange(n), torch.stack(rc.k), torch.stack(rc.v),
+                                 blind=True)  # fmt: skip
+    neutral = ref.tok_embd.mean(dim=0)
+    saved = ref.tok_embd
+    for i in range(n - 1):
+        later = RefCache(ref.info.n_layer)
+        later.pos = torch.arange(i + 1, n)
+        later.k = [kl[i + 1 :] for kl in rc.k]
+        later.v = [vl[i + 1 :] for vl in rc.v]
+        visible = torch.tensor([[True] * (n - 1 - i) + [False]])
+        ref.tok_embd = saved.clone()  # ref.output keeps the original rows (tied or not): x_i is still scored
+        ref.tok_embd[toks[i]] = neutral  # the token's own input row replaced, nothing else
+        try:
+            logits = ref.forward([toks[i]], [i], later, visible=visible)
+        finally:
+            ref.tok_embd = saved
+        assert abs(float(logits[0, toks[i]]) - float(twin[i])) < 1e-9
+    plain = counter_causal_logits(ref, torch.tensor(toks), torch.arange(n), torch.stack(rc.k), torch.stack(rc.v))
+    assert torch.abs(plain[:-1] - twin[:-1]).max() > 1e-3  # x_i's own input mattered
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_blind_native_matches_twin(tiny_path, holes):
+    ref = ReferenceModel(tiny_path)
+    n = 60
+    toks = _tokens(n, ref.info.n_vocab, 7)
+    keep = sorted({0, 1, 2, n - 1} | set(range(10, 30)) | set(range(35, n, 2))) if holes else None
+    model, cache = _engine_cache(tiny_path, toks, keep)
+    cc = SurpriseModel(model.info)
+    assert np.abs(cc.neutral_input() - ref.tok_embd.mean(dim=0).numpy()).max() < 1e-6  # f32 vs f64 mean
+    contents = cache_contents(cache, cc, "full")
+    for score in ("raw", "logprob"):
+        got = cc.logits(contents, "full", score, blind=True)
+        want = _twin_from(ref, contents, "full", score, blind=True)
+        err = np.abs(got[:-1] - want[:-1]).max()
+        print(f"{model.info.arch} blind {score} holes={holes}: max err {err:.2e}")
+        assert err < ATOL
+    with pytest.raises(KvliteError, match="blind"):
+        cc.logits(cache_contents(cache, cc, "fast"), "fast", blind=True)
 
 
 @pytest.mark.parametrize("block_rows", [1, 7, 32])

@@ -116,7 +116,7 @@ def test_shards_merged_equal_one_run(tiny_paths, tmp_path, uninterrupted):
     assert r.returncode == 0, r.stderr
     assert rows_without_time(tmp_path / "m") == rows_without_time(uninterrupted)
     header = (tmp_path / "m" / "summary.csv").read_text().splitlines()[0]
-    assert header.startswith("task,policy,budget,score,n")
+    assert header.startswith("task,policy,budget,score,score_lo,score_hi,n")
 
 
 def test_a_failing_cell_fails_alone(tiny_paths, tmp_path):
@@ -188,3 +188,42 @@ def test_restored_cache_agrees_with_llama_state(tiny_model, prompt):
             assert np.array_equal(runner.cache.positions(), runner.cache.llama_positions(0))
     finally:
         runner.close()
+
+
+def test_question_window_protects_the_closing_question(tiny_paths, tmp_path):
+    """window=question keeps every token from the closing question's start, whatever the scores say;
+    the split is recorded with each cell."""
+    out = tmp_path / "q"
+    Grid(grid_cfg(tiny_paths, out, n=1, policies=["full", "tova", "tova(window=question)"], budgets=[180])).run()
+    records = {r["policy"]: r for r in read_records(out)}
+    n = records["full"]["prompt_tokens"]
+    sample = tasks.generate("single", 1, 300, lambda t: len(t.encode()))[0]
+    q_chars = len(sample.prompt) - sample.question[0]
+    protected = set(range(n - q_chars, n))  # byte-level vocabulary: one token per byte of the question
+    assert protected <= set(records["tova(window=question)"]["kept"])
+    assert not protected <= set(records["tova"]["kept"])  # TOVA alone drops some of it
+    assert {r["split"] for r in records.values()} == {"tune"}
+
+
+def test_chunked_cells_take_h_and_record_the_cache_evolution(tiny_paths, tmp_path):
+    out = tmp_path / "evo"
+    cfg = grid_cfg(tiny_paths, out, n=1, policies=["full", "cc-fast(mode=chunked,h=16)"], budgets=[48],
+                   evolution=True)  # fmt: skip
+    Grid(cfg).run()
+    (r,) = [r for r in read_records(out) if r["policy"] != "full"]
+    n = r["prompt_tokens"]
+    # a refresh after every 16-token chunk of the prompt past the cache, and every 16 generated tokens
+    assert len(r["evolution"]) >= (n - 48) // 16
+    assert all(len(kept) == 48 for kept in r["evolution"])
+    assert r["evolution"][-1][-1] >= n - 1  # the last refreshes hold the newest tokens
+
+
+def test_test_split_is_labelled_and_unknown_split_refused(tiny_paths, tmp_path):
+    out = tmp_path / "t"
+    Grid(grid_cfg(tiny_paths, out, n=1, policies=["full"], split="test")).run()
+    (r,) = read_records(out)
+    assert r["split"] == "test" and r["task"] == "test:single/300"
+    with pytest.raises(KvliteError, match="--split"):
+        grid_cfg(tiny_paths, out, split="holdout").validate()
+    with pytest.raises(KvliteError, match="no parameter"):
+        parse_spec("snapkv(h2=3)")

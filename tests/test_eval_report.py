@@ -28,10 +28,12 @@ def test_summary_means_per_cell():
         ("snapkv", 128, 1.0, 1, 0.25),
     ]
     csv_text = report.to_csv(rows)
-    assert csv_text.splitlines()[0].startswith("task,policy,budget,score,n,model")
-    assert csv_text.splitlines()[1].startswith("single/1024,full,full,0.5000,2,m")
+    assert csv_text.splitlines()[0].startswith("task,policy,budget,score,score_lo,score_hi,n,model")
+    # scores (1, 0): resampled means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4: the 95% interval is [0, 1]
+    assert csv_text.splitlines()[1].startswith("single/1024,full,full,0.5000,0.0000,1.0000,2,m")
     md = report.to_markdown(rows)
-    assert "| policy | 64 | 128 |" in md and "| snapkv | 0.50 | 1.00 |" in md and "full cache: 0.50" in md
+    assert "| policy | 64 | 128 |" in md and "| snapkv | 0.50 [0.00, 1.00] | 1.00 [1.00, 1.00] |" in md
+    assert "full cache: 0.50 [0.00, 1.00]" in md
 
 
 def test_plots_are_written(tmp_path):
@@ -62,3 +64,26 @@ def test_throughput_split():
     assert t["overhead_s"] == pytest.approx(1.25) and t["overhead_share"] == pytest.approx(1.25 / 12)
     same = [{"model": "m", "task": "t", "sample": 0, **r} for r in timed]
     assert report.throughput(same)["replay_saved_s"] == 6.0  # the second cell would have read the prompt again
+
+
+def test_end_to_end_seconds_charge_the_shared_prefix_to_prefill_end_cells():
+    base = {"model": "m", "task": "recall/1024", "sample": 0, "score": 1.0}
+    records = [
+        {**base, "policy": "full", "budget": None,
+         "time": {"cell_s": 2.0, "teacher_forcing_s": 0.5, "prefix_s": 6.0}},
+        {**base, "policy": "snapkv", "budget": 64, "time": {"cell_s": 1.0, "teacher_forcing_s": 0.25}},
+        {**base, "policy": "cc(mode=chunked,h=32)", "budget": 64, "time": {"cell_s": 9.0, "teacher_forcing_s": 1.0}},
+    ]  # fmt: skip
+    e2e = report.end_to_end(records)
+    assert e2e[("m", "recall/1024", "full", None)] == 7.5  # 2 - 0.5 + the prefix it read
+    assert e2e[("m", "recall/1024", "snapkv", 64)] == 6.75  # replays the same prefix: charged for it
+    assert e2e[("m", "recall/1024", "cc(mode=chunked,h=32)", 64)] == 8.0  # reads its prompt itself
+
+
+def test_cache_evolution_plot(tmp_path):
+    record = {"model": "m", "task": "recall/1024", "sample": 0, "policy": "cc(mode=chunked)", "budget": 4,
+              "score": 0.5, "prompt_tokens": 10, "evidence": [3], "evolution": [[0, 1, 2, 3], [0, 1, 5, 6],
+                                                                                  [0, 1, 9, 11]]}  # fmt: skip
+    path = report.plot_evolution(record, tmp_path / "e.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert report.plot_evolution({**record, "evolution": []}, tmp_path / "none.png") is None

@@ -23,7 +23,7 @@ def test_deterministic_sized_and_evidence_holds_the_answer(task):
         assert 0.9 * 1024 <= count(s.prompt) <= 1.1 * 1024
         evidence = " ".join(s.prompt[x:y] for x, y in s.evidence)
         assert all(ans in evidence for ans in s.answers)  # the gold answer is stated in the evidence
-        assert s.metric in ("contains_all",) and s.max_new_tokens > 0
+        assert s.metric in ("contains_all", "contains_share") and s.max_new_tokens > 0
 
 
 def test_two_hop_evidence_is_two_far_apart_facts():
@@ -63,3 +63,30 @@ def test_sample_i_does_not_depend_on_n():
     few = tasks.generate("twohop", 2, 512, count, seed=1)
     many = tasks.generate("twohop", 5, 512, count, seed=1)
     assert [s.prompt for s in few] == [s.prompt for s in many[:2]]
+
+
+@pytest.mark.parametrize("task", sorted(tasks.TASKS))
+def test_test_split_is_other_prose_and_other_phrasing(task):
+    (tune,) = tasks.generate(task, 1, 2048, count, seed=2)
+    (test,) = tasks.generate(task, 1, 2048, count, seed=2, split="test")
+    assert tune.split == "tune" and test.split == "test" and test.task == f"test:{task}/2048"
+    from kvlite.haystack import haystack, news
+
+    assert any(p[:80] in test.prompt for p in news(300)) and not any(p[:80] in test.prompt for p in haystack(400))
+    assert any(p[:80] in tune.prompt for p in haystack(400)) and not any(p[:80] in tune.prompt for p in news(300))
+    if task != "vt":  # RULER's own wording in both splits
+        statements = lambda s: [s.prompt[a:b] for a, b in s.evidence]  # noqa: E731
+        assert not set(w for x in statements(tune) for w in x.split()[:3]) & set(
+            w for x in statements(test) for w in x.split()[:3]
+        )
+    for s in (tune, test):  # the closing question is the prompt's last paragraph
+        assert s.prompt[s.question[0] :].endswith("?") or s.prompt[s.question[0] :].endswith(".")
+        assert "\n" not in s.prompt[s.question[0] :]
+
+
+def test_recall_scores_the_share_of_values_restated():
+    from kvlite.eval import metrics
+
+    (s,) = tasks.generate("recall", 1, 1024, count, seed=4)
+    assert len(s.answers) == 6 and s.metric == "contains_share"
+    assert metrics.score(s.metric, " ".join(s.answers[:3]), s.answers) == 0.5

@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lengths", type=_ints, default=None, help="prompt lengths in tokens (default 1024)")
     p.add_argument("-n", type=int, default=None, help="samples per task and length (default 4)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--split", choices=("tune", "test"), default=None,
+                   help="generated tasks' prose and phrasing: tune (docstrings; where defaults are chosen) or test "
+                   "(news articles, other phrasing; where results are reported). Default tune")  # fmt: skip
     p.add_argument(
         "--depth", type=float, default=None, help="evidence depth in [0, 1] (default: drawn per sample from [0.1, 0.9])"
     )
@@ -61,6 +64,8 @@ def add_parser(sub) -> None:
                    "(default: the model's training context)")  # fmt: skip
     p.add_argument("--diagnostics", action="store_true", default=None,
                    help="also measure EchoKV's KV overlap (Table 1) on generated samples")  # fmt: skip
+    p.add_argument("--evolution", action="store_true", default=None,
+                   help="chunked cells record the positions kept at every refresh (cache-evolution plots)")  # fmt: skip
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--shard", default=None, help="i/n: run every n-th sample starting at the i-th")
     p.add_argument("--out", default=None, help="output directory (default eval-out)")
@@ -75,8 +80,9 @@ def cmd_eval(args) -> int:
     from .grid import Grid, GridConfig, read_records
 
     overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
-                                               "n", "seed", "depth", "policies", "budgets", "n_predict", "max_length",
-                                               "diagnostics", "threads", "shard", "out")}  # fmt: skip
+                                               "n", "seed", "split", "depth", "policies", "budgets", "n_predict",
+                                               "max_length", "diagnostics", "evolution", "threads", "shard",
+                                               "out")}  # fmt: skip
     cfg = GridConfig.load(args.config, overrides)
     out = cfg.out_dir
     failures = 0

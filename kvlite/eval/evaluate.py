@@ -34,6 +34,9 @@ class Prompt:
     tokens: list[int]
     evidence: list[int]
     max_new_tokens: int
+    # Tokens from the closing question's start to the prompt's end (the chat template's closing
+    # markers included): what window=question protects. None when the question is not known.
+    question_tokens: int | None = None
 
 
 def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None, max_length: int = 0) -> Prompt:
@@ -55,11 +58,13 @@ def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None, ma
     evidence: list[int] = []
     for a, b in sample.evidence:  # token positions of a character span: the lengths of its prefixes
         evidence.extend(range(len(encode(text[: offset + a])), len(encode(text[: offset + b]))))
+    question = len(tokens) - len(encode(text[: offset + sample.question[0]])) if sample.question else None
     if max_length and len(tokens) > max_length:
         half = max_length // 2
         tokens = tokens[:half] + tokens[-half:]
         evidence = []  # positions moved; truncation is for LongBench files, which carry no evidence
-    return Prompt(sample, tokens, sorted(set(evidence)), max_new)
+        question = question if question is not None and question <= half else None
+    return Prompt(sample, tokens, sorted(set(evidence)), max_new, question)
 
 
 @dataclasses.dataclass
@@ -96,8 +101,8 @@ class SampleRun:
             capture.close()
         self.prefix_s = time.perf_counter() - t0
 
-    def runner(self, policy: Policy) -> Runner:
-        return Runner(self.model, policy, n_ctx=self.n_ctx, chunk=CHUNK, sampling=SamplingParams(temp=0.0),
+    def runner(self, policy: Policy, chunk: int = CHUNK) -> Runner:
+        return Runner(self.model, policy, n_ctx=self.n_ctx, chunk=chunk, sampling=SamplingParams(temp=0.0),
                       n_threads=self.n_threads)  # fmt: skip
 
     def _read_prompt(self, runner: Runner) -> None:
@@ -108,14 +113,18 @@ class SampleRun:
             runner.restore(self.snapshot)
             runner.feed(tokens[-self.tail :])
 
-    def cell(self, policy: Policy, reuse: str | None = None) -> dict:
+    def cell(self, policy: Policy, reuse: str | None = None, chunk: int = CHUNK, evolution: bool = False) -> dict:
         """Run one policy (FullKV first: it makes the reference) and score it. reuse: a name under
         which the policy's scores are kept and reused by later cells of the same name, when the
-        scores do not depend on the budget (the eviction is then the same as a fresh run's)."""
+        scores do not depend on the budget (the eviction is then the same as a fresh run's).
+        chunk: the prefill chunk, and chunked mode's refresh interval h. evolution: record the
+        positions kept at every eviction (chunked mode's cache evolution)."""
         prompt, sample = self.prompt, self.prompt.sample
         n = len(prompt.tokens)
         t0 = time.perf_counter()
-        runner = self.runner(policy)
+        runner = self.runner(policy, chunk)
+        if evolution and policy.continuous:
+            runner.history = []
         reusable = reuse is not None and not policy.scores_depend_on_budget() and not policy.continuous
         try:
             memo = self.scores.get(reuse) if reusable else None
@@ -152,6 +161,8 @@ class SampleRun:
             "workspace_sizes": [len(v) for v in views],
             "scores_reused": not fresh and runner.reuse_scores is None,  # the runner consumed them
         }
+        if runner.history is not None:
+            record["evolution"] = [[int(p) for p in kept] for kept in runner.history]
         if ref is not None:
             record["exact_match"] = float(out == ref.tokens)
             record["token_agreement"] = metrics.token_agreement(ref.tokens, out)

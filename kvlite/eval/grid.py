@@ -25,7 +25,13 @@ from .evaluate import SampleRun, tokenize
 # Short names for policy parameters in specs such as "echokv(T=8,aggregate=mean)".
 ALIASES = {
     "T": "lookahead", "aggregate": "aggregation", "B1": "workspace", "surprise": "score", "kernel": "pool_kernel",
+    "S": "anchors", "h": "chunk",
 }  # fmt: skip
+# Spec parameters that set up the cell rather than the policy: `chunk` (h, chunked mode's refresh
+# interval; default evaluate.CHUNK), and `window=question`, which protects the sample's closing
+# question (every token from its start on), as kvpress's protocol never compresses the question.
+RUN_PARAMS = ("chunk",)
+QUESTION = "question"
 
 
 DEFAULT_TASKS = ["single", "multikey", "twohop"]
@@ -39,6 +45,7 @@ class GridConfig:
     n: int = 4  # samples per generated task and length
     seed: int = 0
     depth: float | None = None
+    split: str = "tune"  # generated tasks' prose and phrasing (tasks.PHRASINGS): tune, or test for reports
     data: list[str] = dataclasses.field(default_factory=list)  # LongBench-format JSONL files
     dataset: str | None = None
     metric: str | None = None
@@ -48,6 +55,7 @@ class GridConfig:
     n_predict: int | None = None  # overrides each task's generation length
     max_length: int = 0  # longer prompts keep their first and last halves (0: the model's context)
     diagnostics: bool = False  # EchoKV Table 1 overlap per generated sample
+    evolution: bool = False  # chunked cells record the positions kept at every refresh (cache-evolution plots)
     diagnostics_budget: int = 128
     diagnostics_workspace: int = 256
     threads: int | None = None
@@ -82,6 +90,8 @@ class GridConfig:
             raise KvliteError(f"budgets must be positive, got {self.budgets}")
         if self.n < 0:
             raise KvliteError(f"n must be >= 0, got {self.n}")
+        if self.split not in tasks.SPLITS:
+            raise KvliteError(f"--split must be one of {', '.join(tasks.SPLITS)}, got '{self.split}'")
         if self.tasks is None:
             self.tasks = [] if self.data else list(DEFAULT_TASKS)
         for t in self.tasks:
@@ -117,7 +127,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
         value = value.strip()
         params[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
-    fields = {f.name for f in dataclasses.fields(POLICIES[m.group(1)])}
+    fields = {f.name for f in dataclasses.fields(POLICIES[m.group(1)])} | set(RUN_PARAMS)
     bad = sorted(set(params) - fields)
     if bad:
         raise KvliteError(f"policy '{spec}' has no parameter {', '.join(bad)}")
@@ -129,12 +139,24 @@ def split_policies(text: str) -> list[str]:
     return [p.strip() for p in re.findall(r"[^,(]+(?:\([^)]*\))?", text) if p.strip()]
 
 
-def policy_for(spec: str, budget: int | None) -> Policy:
+def policy_for(spec: str, budget: int | None, question_tokens: int | None = None) -> Policy:
     """Grids evict once, when the prompt has been read (as kvpress and the papers' LongBench runs do),
-    unless a spec says mode=chunked."""
+    unless a spec says mode=chunked. question_tokens: the sample's closing question's length in
+    tokens, for specs with window=question (None: unknown, and such a spec is refused)."""
     name, params = parse_spec(spec)
     params.setdefault("mode", "prefill-end")
+    for key in RUN_PARAMS:
+        params.pop(key, None)
+    if params.get("window") == QUESTION:
+        if question_tokens is None:
+            raise KvliteError(f"'{spec}': this sample has no known question to protect")
+        params["window"] = question_tokens
     return make_policy(name, budget=budget, **params) if name != "full" else FullKV()
+
+
+def run_params(spec: str) -> dict:
+    """The cell settings a spec carries (chunk h for chunked mode)."""
+    return {k: v for k, v in parse_spec(spec)[1].items() if k in RUN_PARAMS}
 
 
 def model_label(path: pathlib.Path) -> str:
@@ -176,13 +198,13 @@ class Grid:
         self.failures = 0
         evicting = [p for p in cfg.policies if parse_spec(p)[0] != "full"]
         self.cells = [("full", None)] + [(p, b) for p in evicting for b in cfg.budgets]
-        valid = [policy_for(p, b) for p, b in self.cells if self._valid(p, b)]
+        valid = [policy_for(p, b, 1) for p, b in self.cells if self._valid(p, b)]
         self.tail = max([1] + [p.observed_tokens() for p in valid])  # prompt tokens every cell feeds itself
         self.lookahead_cells = max([8] + [p.lookahead_cells() for p in valid])
 
     def _valid(self, spec: str, budget: int | None) -> bool:
         try:
-            policy_for(spec, budget)
+            policy_for(spec, budget, 1)  # any question length: this asks about the spec alone
             return True
         except KvliteError:
             return False
@@ -199,7 +221,7 @@ class Grid:
         count = lambda text: len(model.tokenize(text, add_special=False, parse_special=False))  # noqa: E731
         for t in cfg.tasks:
             for length in cfg.lengths:
-                listed.extend(tasks.generate(t, cfg.n, length, count, cfg.seed, cfg.depth))
+                listed.extend(tasks.generate(t, cfg.n, length, count, cfg.seed, cfg.depth, cfg.split))
         for i, s in enumerate(listed):
             if i % self.n_shards == self.shard - 1:
                 yield s
@@ -232,7 +254,7 @@ class Grid:
 
     def _run_sample(self, model: Model, label: str, sample: tasks.Sample, done: set, progress) -> None:
         cfg = self.cfg
-        base = {"model": label, "task": sample.task, "sample": sample.id}
+        base = {"model": label, "task": sample.task, "sample": sample.id, "split": sample.split}
         todo = [(p, b) for p, b in self.cells if (label, sample.task, sample.id, p, b) not in done]
         diag_key = (label, sample.task, sample.id, "diagnostics", cfg.diagnostics_budget)
         want_diag = cfg.diagnostics and bool(sample.evidence) and diag_key not in done
@@ -255,7 +277,8 @@ class Grid:
             where = {**base, "policy": spec, "budget": budget}
             try:
                 t0 = time.perf_counter()
-                record = run.cell(policy_for(spec, budget), reuse=spec)
+                policy = policy_for(spec, budget, prompt.question_tokens)
+                record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))
                 if i == 0:
                     record["time"]["prefix_s"] = run.prefix_s
                 if budget is not None and budget >= len(prompt.tokens):

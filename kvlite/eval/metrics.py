@@ -94,12 +94,14 @@ METRICS: dict[str, Callable[..., float]] = {
     "count": count,
     "code_sim": code_sim,
     "contains_all": contains_all,
+    "contains_share": contains_all,  # per answer; `score` averages them
 }
 
 
 def score(metric: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None) -> float:
     """One sample's score: LongBench's max over gold answers; for contains_all, 1 only if every
-    answer appears (variable tracking asks for all variables)."""
+    answer appears (variable tracking asks for all variables); for contains_share, the share that
+    appears (list recall)."""
     fn = METRICS.get(metric)
     if fn is None:
         raise KvliteError(f"unknown metric '{metric}': choose from {', '.join(METRICS)}")
@@ -107,6 +109,8 @@ def score(metric: str, prediction: str, answers: Sequence[str], all_classes: Seq
         raise KvliteError("a sample without gold answers cannot be scored")
     if metric == "contains_all":
         return float(all(fn(prediction, a) for a in answers))
+    if metric == "contains_share":  # decode-heavy tasks: partial credit for each value restated
+        return float(np.mean([fn(prediction, a) for a in answers]))
     return max(fn(prediction, a, all_classes=all_classes) for a in answers)
 
 

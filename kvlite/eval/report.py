@@ -10,8 +10,11 @@ from collections import defaultdict
 
 import numpy as np
 
+from . import stats
+
 FIDELITY = ("exact_match", "token_agreement", "kl", "top1", "evidence_kept")
-COLUMNS = ("task", "policy", "budget", "score", "n", "model", *FIDELITY)
+# score_lo / score_hi: the 95% percentile-bootstrap interval of the mean score over samples (stats.py).
+COLUMNS = ("task", "policy", "budget", "score", "score_lo", "score_hi", "n", "model", *FIDELITY)
 
 
 def _mean(values: list) -> float | None:
@@ -31,8 +34,9 @@ def summarize(records: list[dict]) -> list[dict]:
             groups[(r["model"], r["task"], r["policy"], r["budget"])].append(r)
     rows = []
     for (model, task, policy, budget), rs in groups.items():
-        row = {"task": task, "policy": policy, "budget": budget, "score": _mean([r["score"] for r in rs]),
-               "n": len(rs), "model": model}  # fmt: skip
+        ci = stats.bootstrap_mean([r["score"] for r in rs])
+        row = {"task": task, "policy": policy, "budget": budget, "score": ci.mean, "score_lo": ci.lo,
+               "score_hi": ci.hi, "n": len(rs), "model": model}  # fmt: skip
         row.update({k: _mean([r.get(k) for r in rs]) for k in FIDELITY})
         rows.append(row)
     rows.sort(key=lambda r: (r["model"], r["task"], _policy_order(r["policy"]), _budget_order(r["budget"])))
@@ -63,8 +67,18 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def _cell(r: dict | None, value: str, digits: int) -> str:
+    """A value, with its interval when it is the score: 0.83 [0.67, 0.96]."""
+    if r is None:
+        return ""
+    if value == "score" and r.get("score_lo") is not None:
+        return f"{r['score']:.{digits}f} [{r['score_lo']:.{digits}f}, {r['score_hi']:.{digits}f}]"
+    return _fmt(r[value], digits)
+
+
 def to_markdown(rows: list[dict], value: str = "score", digits: int = 2) -> str:
-    """Per model and task: policies as rows, budgets as columns (the full cache in its own column)."""
+    """Per model and task: policies as rows, budgets as columns (the full cache in its own column);
+    scores carry their 95% bootstrap interval."""
     out = []
     by = defaultdict(list)
     for r in rows:
@@ -73,12 +87,14 @@ def to_markdown(rows: list[dict], value: str = "score", digits: int = 2) -> str:
         budgets = sorted({r["budget"] for r in rs if r["budget"] is not None})
         full = next((r for r in rs if r["policy"] == "full"), None)
         n = max(r["n"] for r in rs)
-        out.append(f"**{model} · {task}** ({value}, n = {n}; full cache: {_fmt(full and full[value], digits)})\n")
+        out.append(f"**{model} · {task}** ({value}, n = {n}; full cache: {_cell(full, value, digits)})\n")
         out.append("| policy | " + " | ".join(str(b) for b in budgets) + " |")
         out.append("|---|" + "---|" * len(budgets))
-        cells = {(r["policy"], r["budget"]): r[value] for r in rs}
+        cells = {(r["policy"], r["budget"]): r for r in rs}
         for policy in dict.fromkeys(r["policy"] for r in rs if r["policy"] != "full"):
-            out.append(f"| {policy} | " + " | ".join(_fmt(cells.get((policy, b)), digits) for b in budgets) + " |")
+            out.append(
+                f"| {policy} | " + " | ".join(_cell(cells.get((policy, b)), value, digits) for b in budgets) + " |"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -96,6 +112,43 @@ def fidelity_markdown(rows: list[dict], model: str) -> str:
     for (policy, budget), rs in sorted(acc.items(), key=lambda kv: (_policy_order(kv[0][0]), _budget_order(kv[0][1]))):
         vals = [_mean([r[k] for r in rs]) for k in ("kl", "top1", "token_agreement", "exact_match", "evidence_kept")]
         lines.append(f"| {policy} | {budget} | " + " | ".join(_fmt(v) for v in vals) + " |")
+    return "\n".join(lines)
+
+
+def sample_key(r: dict) -> tuple:
+    """What pairs two cells: the same model, split, task and sample."""
+    return (r["model"], r.get("split", "tune"), r["task"], r["sample"])
+
+
+def compare(
+    records: list[dict], a: tuple[str, int | None], b: tuple[str, int | None], group=lambda r: r["model"]
+) -> dict:
+    """Paired bootstrap of score(a) - score(b), cells given as (policy spec, budget), per group of
+    samples (default: per model, pooling tasks and lengths). Only samples both cells ran count."""
+    by: dict = defaultdict(dict)
+    for r in records:
+        if "score" in r and (r["policy"], r["budget"]) in (a, b):
+            by[(r["policy"], r["budget"])][sample_key(r)] = r
+    out: dict = {}
+    groups: dict = defaultdict(list)
+    for k in sorted(set(by[a]) & set(by[b])):
+        groups[group(by[a][k])].append(k)
+    for g, keys in groups.items():
+        out[g] = stats.paired_difference([by[a][k]["score"] for k in keys], [by[b][k]["score"] for k in keys])
+    return out
+
+
+def compare_markdown(records: list[dict], pairs: list[tuple[str, str]], budgets: list[int], group=None) -> str:
+    """One row per (group, budget, pair): the mean difference with its paired 95% interval, n, and
+    the share of bootstrap resamples in which A is not ahead."""
+    group = group or (lambda r: r["model"])
+    lines = ["| samples | budget | A - B | difference [95% CI] | n | P(A <= B) |", "|---|---|---|---|---|---|"]
+    for budget in budgets:
+        for a, b in pairs:
+            cells = compare(records, (a, budget), (b, None if b == "full" else budget), group)
+            for g, iv in sorted(cells.items(), key=lambda kv: str(kv[0])):
+                mark = " *" if iv.excludes_zero() else ""
+                lines.append(f"| {g} | {budget} | {a} - {b} | {iv.fmt()}{mark} | {iv.n} | {iv.p_not_better:.3f} |")
     return "\n".join(lines)
 
 
@@ -166,6 +219,56 @@ def plot_occupancy(records: list[dict], model: str, task: str, sample: int, budg
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_evolution(record: dict, path: pathlib.Path) -> pathlib.Path | None:
+    """The counter-causal paper's Figure 4: one row per refresh of a chunked cell, its kept positions
+    coloured by position (the prompt's in a sequential map, generated tokens in red), evidence
+    marked on the axis."""
+    plt = _pyplot()
+    rows = record.get("evolution")
+    if not rows:
+        return None
+    n_prompt = record["prompt_tokens"]
+    top = max(max(r) for r in rows if r) + 1
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for i, kept in enumerate(rows):
+        kept = np.asarray(kept)
+        prompt = kept[kept < n_prompt]
+        ax.scatter(prompt, np.full(len(prompt), i), c=prompt, cmap="viridis", vmin=0, vmax=n_prompt, s=1.5,
+                   marker="s", linewidths=0)  # fmt: skip
+        gen = kept[kept >= n_prompt]
+        ax.scatter(gen, np.full(len(gen), i), color="red", s=1.5, marker="s", linewidths=0)
+    for p in record.get("evidence", []):
+        ax.plot([p], [-1.5], marker="^", color="red", markersize=3)
+    ax.set_xlim(0, top)
+    ax.set_ylim(len(rows), -3)
+    ax.set_xlabel("position (colour: prompt position; red: generated; triangles: evidence)")
+    ax.set_ylabel("refresh")
+    ax.set_title(f"{record['model']} · {record['task']} #{record['sample']} · {record['policy']} · cache "
+                 f"{record['budget']} · score {record['score']:.2f}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def end_to_end(records: list[dict]) -> dict[tuple, float]:
+    """Seconds per sample to read the prompt and generate, by (model, task, policy, budget), the
+    counter-causal paper's Table 1 column. Teacher forcing (an evaluation cost) is left out; the full
+    cache's prompt is read once per sample (prefix_s) and every prefill-end cell replays it, so a
+    prefill-end cell is charged that prefix too; a chunked cell reads its prompt itself."""
+    prefix = {sample_key(r): r["time"]["prefix_s"] for r in records if "prefix_s" in r.get("time", {})}
+    acc: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        t = r.get("time")
+        if not t or "score" not in r:
+            continue
+        own = t["cell_s"] - t.get("teacher_forcing_s", 0.0)
+        if "mode=chunked" not in r["policy"]:
+            own += prefix.get(sample_key(r), 0.0) if "prefix_s" not in t else t["prefix_s"]
+        acc[(r["model"], r["task"], r["policy"], r["budget"])].append(own)
+    return {k: float(np.mean(v)) for k, v in acc.items()}
 
 
 def write_plots(out: pathlib.Path, records: list[dict], rows: list[dict]) -> list[pathlib.Path]:

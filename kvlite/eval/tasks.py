@@ -12,22 +12,89 @@ import random
 from collections.abc import Callable
 
 from ..errors import KvliteError
-from ..haystack import haystack
+from ..haystack import SOURCES
 
-MAGIC_INTRO = (
-    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the numbers afterwards."
-)
-WORDS = (
-    "amber", "brisk", "cedar", "dune", "ember", "fable", "glacier", "harbor", "iris", "juniper", "kestrel", "lagoon",
-    "meadow", "nimbus", "orchid", "pepper", "quartz", "raven", "saffron", "tundra", "umber", "velvet", "willow",
-    "zephyr",
+SPLITS = ("tune", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class Phrasing:
+    """How a split states its facts and asks its questions. The tune split (docstring prose, RULER's
+    magic numbers) is where defaults are chosen; the test split (news prose, other words, other
+    sentence shapes, six-digit codes) is where they are reported, and no choice ever sees it."""
+
+    source: str  # kvlite.haystack.SOURCES
+    digits: int
+    words: tuple[str, ...]  # key parts for needles
+    people: tuple[str, ...]
+    places: tuple[str, ...]
+    intro: str
+    needle: str  # {key} {value}
+    question: str  # {key}
+    lives: str  # {person} {place}
+    place_code: str  # {place} {value}
+    hop_head: str  # {question}
+    hop_question: str  # {person}
+    list_head: str  # {question}
+    list_item: str  # {key} {value}
+    list_question: str
+
+
+TUNE = Phrasing(
+    source="docstrings",
+    digits=7,
+    words=(
+        "amber", "brisk", "cedar", "dune", "ember", "fable", "glacier", "harbor", "iris", "juniper", "kestrel",
+        "lagoon", "meadow", "nimbus", "orchid", "pepper", "quartz", "raven", "saffron", "tundra", "umber", "velvet",
+        "willow", "zephyr",
+    ),
+    people=("Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kofi", "Lena"),
+    places=(
+        "Lisbon", "Oslo", "Quito", "Hanoi", "Dakar", "Lima", "Perth", "Tunis", "Riga", "Porto", "Minsk", "Accra",
+        "Bern", "Cairo", "Delhi", "Kyoto",
+    ),
+    intro="Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.",
+    needle="The special magic number for {key} is: {value}.",
+    question="What is the special magic number for {key} mentioned in the provided text?",
+    lives="{person} lives in {place}.",
+    place_code="The secret code of {place} is {value}.",
+    hop_head="Read the text. Some facts about people and cities are hidden in it. Afterwards, answer this "
+    "question: {question}",
+    hop_question="What is the secret code of the city where {person} lives?",
+    list_head="Some lockers and their combinations are listed in the following text. Afterwards, list them "
+    "all: {question}",
+    list_item="Locker {key} opens with the combination {value}.",
+    list_question="List every locker mentioned in the text with its combination, one per line.",
 )  # fmt: skip
-CITIES = (
-    "Lisbon", "Oslo", "Quito", "Hanoi", "Dakar", "Lima", "Perth", "Tunis", "Riga", "Porto", "Minsk", "Accra", "Bern",
-    "Cairo", "Delhi", "Kyoto",
+
+TEST = Phrasing(
+    source="news",
+    digits=6,
+    words=(
+        "Falcon", "Lantern", "Copper", "Meridian", "Bramble", "Sextant", "Pinnacle", "Thistle", "Cobalt", "Harrow",
+        "Marlin", "Obsidian", "Paddock", "Quill", "Rosewood", "Sparrow", "Trellis", "Walrus",
+    ),
+    people=("Marisol", "Thaddeus", "Yusuf", "Beatrix", "Callum", "Odile", "Rafferty", "Sunniva", "Tobias", "Wanjiru"),
+    places=(
+        "Ambleford", "Corrowick", "Dunmarra", "Eastwold", "Fennimore", "Glenrock", "Hollins Bay", "Kestrelby",
+        "Marrowdale", "Norbury", "Pellingham", "Thornvale",
+    ),
+    intro="The news digest below contains a few access codes among the articles. Keep them in mind: you will "
+    "be asked about one of them.",
+    needle="Note for the archive: the access code issued to Project {key} is {value}.",
+    question="Which access code was issued to Project {key}?",
+    lives="Last spring {person} moved to the town of {place}.",
+    place_code="Visitors to {place} open the town gate with the code {value}.",
+    hop_head="Answer a question about the news digest below; the facts you need are scattered through it. "
+    "The question: {question}",
+    hop_question="Which code opens the gate of the town that {person} moved to?",
+    list_head="Several warehouse crates are described in the news digest below. Afterwards, answer: {question}",
+    list_item="Crate {key} was sealed with the tag number {value}.",
+    list_question="Give the tag number of every crate mentioned, one crate per line, in the order they appear.",
 )  # fmt: skip
-PEOPLE = ("Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Kofi", "Lena")
+
+PHRASINGS = {"tune": TUNE, "test": TEST}
 
 
 @dataclasses.dataclass
@@ -44,16 +111,19 @@ class Sample:
     chat: bool = True
     evidence: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     all_classes: list[str] | None = None
+    split: str = "tune"  # "tune" or "test" for generated tasks; "data" for a user's files
+    question: tuple[int, int] | None = None  # character span of the closing question (None: unknown)
 
 
 def _code(rng: random.Random, digits: int = 7) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
-def _key(rng: random.Random, taken: set[str]) -> str:
+def _key(rng: random.Random, taken: set[str], words: tuple[str, ...] = TUNE.words) -> str:
+    """Tune keys join two words (amber-quartz); test keys are one capitalized word (Project Falcon)."""
     while True:
-        key = f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
-        if key not in taken and key.split("-")[0] != key.split("-")[1]:
+        key = f"{rng.choice(words)}-{rng.choice(words)}" if words[0].islower() else rng.choice(words)
+        if key not in taken and (key.count("-") == 0 or key.split("-")[0] != key.split("-")[1]):
             taken.add(key)
             return key
 
@@ -62,12 +132,13 @@ class Builder:
     """Fills a prompt with haystack paragraphs up to a target length in tokens and places
     statements at depths (0 = start, 1 = end), recording where each statement lands."""
 
-    def __init__(self, count_tokens: Callable[[str], int], rng: random.Random):
+    def __init__(self, count_tokens: Callable[[str], int], rng: random.Random, phrasing: Phrasing = TUNE):
         self.count = count_tokens
         self.rng = rng
+        self.p = phrasing
 
     def build(self, head: str, statements: list[tuple[float, str]], tail: str, target: int) -> tuple[str, list]:
-        pool = haystack(400)
+        pool = SOURCES[self.p.source](400)
         start = self.rng.randrange(len(pool))
         budget = target - self.count(head + tail + " ".join(s for _, s in statements)) - 16
         paras: list[str] = []
@@ -94,43 +165,44 @@ class Builder:
 
 
 def single_needle(b: Builder, target: int, depth: float) -> tuple[str, list[str], list]:
-    key, value = _key(b.rng, set()), _code(b.rng)
-    needle = f"The special magic number for {key} is: {value}."
-    q = f"What is the special magic number for {key} mentioned in the provided text?"
-    text, spans = b.build(MAGIC_INTRO, [(depth, needle)], q, target)
+    p = b.p
+    key, value = _key(b.rng, set(), p.words), _code(b.rng, p.digits)
+    text, spans = b.build(p.intro, [(depth, p.needle.format(key=key, value=value))], p.question.format(key=key), target)
     return text, [value], spans
 
 
 def multi_key(b: Builder, target: int, depth: float, n_keys: int = 4) -> tuple[str, list[str], list]:
     """n_keys needles of the same form, one asked for: the others are distractors."""
+    p = b.p
     taken: set[str] = set()
-    needles = [(_key(b.rng, taken), _code(b.rng)) for _ in range(n_keys)]
+    needles = [(_key(b.rng, taken, p.words), _code(b.rng, p.digits)) for _ in range(n_keys)]
     asked = b.rng.randrange(n_keys)
     depths = [(depth + i / n_keys) % 1.0 for i in range(n_keys)]
-    statements = [(d, f"The special magic number for {k} is: {v}.") for d, (k, v) in zip(depths, needles)]
-    q = f"What is the special magic number for {needles[asked][0]} mentioned in the provided text?"
-    text, spans = b.build(MAGIC_INTRO, statements, q, target)
+    statements = [(d, p.needle.format(key=k, value=v)) for d, (k, v) in zip(depths, needles)]
+    text, spans = b.build(p.intro, statements, p.question.format(key=needles[asked][0]), target)
     return text, [needles[asked][1]], [spans[asked]]
 
 
 def two_hop(b: Builder, target: int, depth: float) -> tuple[str, list[str], list]:
     """Two facts far apart that must be joined: who lives where (at `depth`), and the code of that
-    city (half the text later). The question names neither the city nor the code, and comes first
+    place (half the text later). The question names neither the place nor the code, and comes first
     as well as last: asked only at the end, both test models answered with the city (calibration
     in docs/results.md)."""
-    person = b.rng.choice(PEOPLE)
-    city = b.rng.choice(CITIES)
-    code = _code(b.rng)
-    facts = [(depth, f"{person} lives in {city}."), ((depth + 0.5) % 1.0, f"The secret code of {city} is {code}.")]
-    q = f"What is the secret code of the city where {person} lives?"
-    head = "Read the text. Some facts about people and cities are hidden in it. Afterwards, answer this question: " + q
-    text, spans = b.build(head, facts, q, target)
+    p = b.p
+    person, place, code = b.rng.choice(p.people), b.rng.choice(p.places), _code(b.rng, p.digits)
+    facts = [
+        (depth, p.lives.format(person=person, place=place)),
+        ((depth + 0.5) % 1.0, p.place_code.format(place=place, value=code)),
+    ]
+    q = p.hop_question.format(person=person)
+    text, spans = b.build(p.hop_head.format(question=q), facts, q, target)
     return text, [code], spans
 
 
 def variable_tracking(b: Builder, target: int, depth: float, hops: int = 4) -> tuple[str, list[str], list]:
     """RULER's vt: a chain VAR A = value, VAR B = VAR A, ... spread through the text; the answer is
-    every variable of the chain. The question also comes first (Qwen needs it there, calibration)."""
+    every variable of the chain. The question also comes first (Qwen needs it there, calibration).
+    The same wording in both splits (RULER's), over each split's prose."""
     names: list[str] = []
     while len(names) < hops + 1:
         name = "".join(b.rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
@@ -148,11 +220,25 @@ def variable_tracking(b: Builder, target: int, depth: float, hops: int = 4) -> t
     return text, names, spans
 
 
+def list_recall(b: Builder, target: int, depth: float, n_items: int = 6) -> tuple[str, list[str], list]:
+    """Decode-heavy: n_items facts spread from `depth` to the end, and an answer that must restate
+    every one of them, so the prompt is needed throughout a long generation (the counter-causal
+    paper's regime, scaled to what the test models can do). Scored by the share of values recalled."""
+    p = b.p
+    taken: set[str] = set()
+    items = [(_key(b.rng, taken, p.words), _code(b.rng, 4)) for _ in range(n_items)]
+    span = 1.0 - depth
+    statements = [(depth + span * i / n_items, p.list_item.format(key=k, value=v)) for i, (k, v) in enumerate(items)]
+    text, spans = b.build(p.list_head.format(question=p.list_question), statements, p.list_question, target)
+    return text, [v for _, v in items], spans
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskKind:
     make: Callable
-    metric: str  # "contains_all": every answer string must appear in the output
+    metric: str  # "contains_all": every answer string must appear; "contains_share": the share that does
     max_new_tokens: int
+    decode_heavy: bool = False  # the answer restates prompt content all along its generation
 
 
 TASKS: dict[str, TaskKind] = {
@@ -160,25 +246,43 @@ TASKS: dict[str, TaskKind] = {
     "multikey": TaskKind(multi_key, "contains_all", 32),
     "twohop": TaskKind(two_hop, "contains_all", 32),
     "vt": TaskKind(variable_tracking, "contains_all", 64),
+    "recall": TaskKind(list_recall, "contains_share", 128, decode_heavy=True),
 }
 
 
+def task_label(task: str, length: int, split: str = "tune") -> str:
+    """single/2048 on the tune split (as before splits existed), test:single/2048 on the test split."""
+    return f"{task}/{length}" if split == "tune" else f"{split}:{task}/{length}"
+
+
 def generate(
-    task: str, n: int, length: int, count_tokens: Callable[[str], int], seed: int = 0, depth: float | None = None
+    task: str,
+    n: int,
+    length: int,
+    count_tokens: Callable[[str], int],
+    seed: int = 0,
+    depth: float | None = None,
+    split: str = "tune",
 ) -> list[Sample]:
-    """n samples of a task at about `length` prompt tokens. depth None: drawn from [0.1, 0.9]. Sample i
-    is the same whatever n is, so grids of different sizes share their first samples."""
+    """n samples of a task at about `length` prompt tokens, from a split's prose and phrasing. depth
+    None: drawn from [0.1, 0.9]. Sample i is the same whatever n is, so grids of different sizes
+    share their first samples."""
     kind = TASKS.get(task)
     if kind is None:
         raise KvliteError(f"unknown task '{task}': choose from {', '.join(TASKS)}")
+    if split not in PHRASINGS:
+        raise KvliteError(f"unknown split '{split}': choose from {', '.join(PHRASINGS)}")
     if length < 256:
         raise KvliteError(f"task length {length} is too short for a haystack: use 256 tokens or more")
     if depth is not None and not 0 <= depth <= 1:
         raise KvliteError(f"--depth must be in [0, 1], got {depth}")
     out = []
     for i in range(n):
-        rng = random.Random(f"{seed}/{task}/{length}/{i}")
+        # the tune split keeps the seeds it had before splits existed: its records stay valid
+        rng = random.Random(f"{seed}/{task}/{length}/{i}" + ("" if split == "tune" else f"/{split}"))
         d = depth if depth is not None else 0.1 + 0.8 * rng.random()
-        text, answers, spans = kind.make(Builder(count_tokens, rng), length, d)
-        out.append(Sample(f"{task}/{length}", i, text, answers, kind.metric, kind.max_new_tokens, True, spans))
+        text, answers, spans = kind.make(Builder(count_tokens, rng, PHRASINGS[split]), length, d)
+        tail = text.rindex("\n\n") + 2  # every layout ends with its question after a blank line
+        out.append(Sample(task_label(task, length, split), i, text, answers, kind.metric, kind.max_new_tokens, True,
+                          spans, split=split, question=(tail, len(text))))  # fmt: skip
     return out

@@ -7,11 +7,23 @@ from .attention import H2O, TOVA, DapQ, SnapKV
 from .base import Policy
 from .baselines import FullKV, StreamingLLM
 from .lookahead import LAQ, EchoKV
-from .surprise import CounterCausal, CounterCausalFast
+from .surprise import CounterCausal, CounterCausalBlind, CounterCausalFast
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (FullKV, StreamingLLM, H2O, TOVA, SnapKV, DapQ, LAQ, EchoKV, CounterCausal, CounterCausalFast)
+    for cls in (
+        FullKV,
+        StreamingLLM,
+        H2O,
+        TOVA,
+        SnapKV,
+        DapQ,
+        LAQ,
+        EchoKV,
+        CounterCausal,
+        CounterCausalFast,
+        CounterCausalBlind,
+    )
 }
 
 
@@ -29,6 +41,6 @@ def make_policy(name: str, **params) -> Policy:
 
 
 __all__ = [
-    "H2O", "LAQ", "POLICIES", "TOVA", "CounterCausal", "CounterCausalFast", "DapQ", "EchoKV", "FullKV", "Policy",
-    "SnapKV", "StreamingLLM", "make_policy",
+    "H2O", "LAQ", "POLICIES", "TOVA", "CounterCausal", "CounterCausalBlind", "CounterCausalFast", "DapQ", "EchoKV",
+    "FullKV", "Policy", "SnapKV", "StreamingLLM", "make_policy",
 ]  # fmt: skip

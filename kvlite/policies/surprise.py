@@ -26,6 +26,7 @@ class CounterCausal(Policy):
 
     name = "cc"
     variant = "full"
+    blind = False
     score: str = "raw"
     min_gap: int = 0
 
@@ -38,7 +39,8 @@ class CounterCausal(Policy):
 
     def scores(self, obs: Observation) -> np.ndarray:
         model = _surprise_model(obs.info)
-        logits = model.logits(cache_contents(obs.cache, model, self.variant), self.variant, self.score, self.min_gap)
+        contents = cache_contents(obs.cache, model, self.variant)
+        logits = model.logits(contents, self.variant, self.score, self.min_gap, blind=self.blind)
         return surprise(logits)
 
 
@@ -49,3 +51,14 @@ class CounterCausalFast(CounterCausal):
     name = "cc-fast"
     variant = "fast"
     needs_hidden = True
+
+
+@dataclasses.dataclass
+class CounterCausalBlind(CounterCausal):
+    """kvlite's own variant, not the paper's: the full pass with every cell's input replaced by a
+    neutral embedding (the mean token embedding), queries at the cell's own position, the same
+    mask. In the paper's pass x_i is the input at position i, so a model that copies its input
+    finds a stated-once number predictable; here x_i must be predicted from the later cells alone."""
+
+    name = "cc-blind"
+    blind = True

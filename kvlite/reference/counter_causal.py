@@ -18,13 +18,20 @@ def counter_causal_logits(
     hidden: torch.Tensor | None = None,
     score: str = "raw",
     min_gap: int = 0,
+    blind: bool = False,
 ) -> torch.Tensor:
     """Cells in ascending position order. k, v: [n_layer - first_layer, n, Hkv, D] (the cache);
     hidden: the input of first_layer [n, n_embd] when first_layer > 0. Returns [n]: the logit of
     x_i at cell i (score "raw") or its log-probability ("logprob"); cell i sees cells j > i + min_gap
-    (indices), so the last min_gap + 1 cells see nothing and come out NaN."""
+    (indices), so the last min_gap + 1 cells see nothing and come out NaN. blind (kvlite's own
+    variant, first_layer 0): every cell's input is the mean token embedding instead of its own, so
+    x_i is predicted from the later cells' K/V alone."""
     assert torch.all(positions[1:] > positions[:-1]), "cells in ascending position order"
-    x = hidden if first_layer > 0 else ref.tok_embd[tokens]
+    if blind:
+        assert first_layer == 0, "the blind variant recomputes every layer"
+        x = ref.tok_embd.mean(dim=0).expand(len(tokens), -1)
+    else:
+        x = hidden if first_layer > 0 else ref.tok_embd[tokens]
     idx = torch.arange(len(tokens))
     visible = idx[None, :] > idx[:, None] + min_gap  # query i sees later cells only
     for il in range(first_layer, ref.info.n_layer):

@@ -60,7 +60,15 @@ class SurpriseModel:
         if not ptr:
             raise KvliteError(f"kvlite's native library could not map the weights of {info.path}")
         self.ptr = ptr
+        self._neutral: np.ndarray | None = None
         self._finalizer = weakref.finalize(self, self._native.lib.kvl_model_free, ptr)
+
+    def neutral_input(self) -> np.ndarray:
+        """The blind variant's input row: the mean of the token embedding matrix (dequantized from
+        the GGUF as stored), a token that is none of the vocabulary's in particular."""
+        if self._neutral is None:
+            self._neutral = mean_embedding(self.info.path)
+        return self._neutral
 
     def first_layer(self, variant: str) -> int:
         if variant not in VARIANTS:
@@ -68,13 +76,20 @@ class SurpriseModel:
         return 0 if variant == "full" else self.info.n_layer - 1
 
     def logits(
-        self, contents: CacheContents, variant: str = "fast", score: str = "raw", min_gap: int = 0, block_rows: int = 0
+        self,
+        contents: CacheContents,
+        variant: str = "fast",
+        score: str = "raw",
+        min_gap: int = 0,
+        block_rows: int = 0,
+        blind: bool = False,
     ) -> np.ndarray:
         """The counter-causal logit (or log-probability) of x_i at every cell, ascending position
         order. Cell i attends to the cells after it but the nearest min_gap (index distance, as
         the reference code's min_gap). The last min_gap + 1 cells have no later context: NaN
         (callers keep them always). block_rows: queries per attention block (0: automatic, the
-        score matrix near 64 MB)."""
+        score matrix near 64 MB). blind (full variant only, kvlite's own): the input at position i
+        is the neutral embedding instead of x_i's, so x_i is predicted from the later cells alone."""
         if score not in SCORES:
             raise KvliteError(f"unknown surprise score '{score}': choose from {', '.join(SCORES)}")
         first = self.first_layer(variant)
@@ -95,7 +110,11 @@ class SurpriseModel:
         if kv_type is None or contents.v.dtype != contents.k.dtype:
             raise KvliteError(f"counter-causal pass wants float16 or float32 K/V, got {contents.k.dtype}")
         hidden = None
-        if first > 0:
+        if blind:
+            if first > 0:
+                raise KvliteError("the blind counter-causal variant recomputes every layer: use variant 'full'")
+            hidden = np.ascontiguousarray(np.broadcast_to(self.neutral_input(), (n, info.n_embd)), dtype=np.float32)
+        elif first > 0:
             if contents.hidden is None or contents.hidden.shape != (n, info.n_embd):
                 raise KvliteError(f"counter-causal fast needs the hidden states [{n}, {info.n_embd}] of every cell")
             hidden = np.ascontiguousarray(contents.hidden[::-1], dtype=np.float32)
@@ -116,6 +135,22 @@ class SurpriseModel:
         out = out[::-1].copy()
         out[n - 1 - min_gap :] = np.nan
         return out
+
+
+def mean_embedding(path) -> np.ndarray:
+    """Mean over the vocabulary of the GGUF's token_embd rows, float32 [n_embd]."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from ..gguf_header import read_header, tensor_nbytes
+
+    header = read_header(str(path))
+    t = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    if t is None:
+        raise KvliteError(f"{path} has no token_embd.weight")
+    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_start + t.offset, shape=(tensor_nbytes(t),))
+    rows = dequantize(np.asarray(raw).reshape(t.shape[1], -1), GGMLQuantizationType(t.ggml_type))
+    return rows.reshape(t.shape[1], t.shape[0]).mean(axis=0, dtype=np.float64).astype(np.float32)
 
 
 def surprise(logits: np.ndarray) -> np.ndarray:

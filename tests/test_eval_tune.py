@@ -1,0 +1,53 @@
+"""Picking defaults: only tune-split records are accepted, candidates are ranked on the cells all
+of them ran, and successive halving keeps the better share each round."""
+
+import pytest
+
+from kvlite.errors import KvliteError
+from kvlite.eval import tune
+
+
+def rec(policy, sample, score, budget=128, split="tune", kl=0.1, task="single/4096"):
+    return {"model": "m", "task": task, "sample": sample, "policy": policy, "budget": budget, "score": score,
+            "kl": kl, "split": split}  # fmt: skip
+
+
+def test_test_split_records_are_refused():
+    records = [rec("a", 0, 1.0), rec("b", 0, 0.0), rec("a", 1, 1.0, split="test", task="test:single/4096")]
+    with pytest.raises(KvliteError, match="test split: defaults are chosen on the tune split alone"):
+        tune.tune_only(records)
+    with pytest.raises(KvliteError, match="tune split alone"):
+        tune.rank(records, ["a", "b"], [128])
+    with pytest.raises(KvliteError, match="tune split alone"):
+        tune.versus(records, "a", "b", [128])
+    with pytest.raises(KvliteError, match="tune split alone"):
+        tune.successive_halving(lambda specs, n: records, ["a", "b"], [1], [128], log=lambda m: None)
+    old = {k: v for k, v in rec("a", 0, 1.0).items() if k != "split"}  # records from before splits: tune
+    assert tune.tune_only([old]) == [old]
+
+
+def test_rank_uses_common_cells_and_breaks_ties_by_kl():
+    records = [rec("a", 0, 1.0, kl=0.5), rec("a", 1, 0.0, kl=0.5), rec("b", 0, 1.0, kl=0.2), rec("b", 1, 0.0, kl=0.2)]
+    records += [rec("c", 0, 0.0), rec("c", 1, 0.0), rec("a", 2, 1.0)]  # a's sample 2: not run by b and c
+    standings = tune.rank(records, ["a", "b", "c"], [128])
+    assert [s.spec for s in standings] == ["b", "a", "c"]  # a = b = 0.5 on the common cells; b has lower KL
+    assert standings[0].n == 2
+
+
+def test_successive_halving_keeps_the_best_third_and_grows_n():
+    quality = {f"p{i}": i / 10 for i in range(9)}  # p8 is best
+    calls = []
+
+    def run_round(specs, n):
+        calls.append((sorted(specs), n))
+        return [rec(s, i, float(i < quality[s] * n * 1.2)) for s in quality for i in range(n)]
+
+    pick, rounds = tune.successive_halving(run_round, list(quality), [5, 10], [128], log=lambda m: None)
+    assert pick == "p8"
+    assert calls[0] == (sorted(quality), 5) and calls[1][1] == 10
+    assert len(calls[1][0]) == 3 and "p8" in calls[1][0]  # the better third went on
+
+
+def test_joint_grid_spells_every_combination():
+    specs = tune.joint_grid("echokv", {"S": [1, 16], "T": [16, 24]})
+    assert specs == ["echokv(S=1,T=16)", "echokv(S=1,T=24)", "echokv(S=16,T=16)", "echokv(S=16,T=24)"]
