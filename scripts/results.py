@@ -36,14 +36,15 @@ TASKS = ["single", "multikey", "twohop"]  # vt is beyond both models at 2K+ (cal
 BUDGETS = [128, 256]
 N = {"smol": 24, "qwen": 12}  # samples per task and length (the protocol's minimum)
 LENGTHS = {"smol": [2048, 4096, 8192], "qwen": [2048, 4096]}
-PICK = ROOT / "results-runs" / "tune-default-4096" / "pick.json"
+RUNS = ROOT / "results-runs"  # --out changes it
 FALLBACK_ECHOKV = "echokv(S=1,T=24,kernel=13,B1=512,aggregate=max)"  # the defaults before the protocol
 
 
 def echokv_spec() -> str:
     """The tune split's pick (scripts/pick_defaults.py), spelled out so its records stay valid
     whatever the defaults later become."""
-    return json.loads(PICK.read_text())["pick"] if PICK.exists() else FALLBACK_ECHOKV
+    pick = RUNS / "tune-default-4096" / "pick.json"
+    return json.loads(pick.read_text())["pick"] if pick.exists() else FALLBACK_ECHOKV
 
 
 def laq_spec(echokv: str) -> str:
@@ -83,16 +84,17 @@ def stages(quick: bool = False) -> list[Stage]:
             stage("test-smol-1024", smol, ["single"], 1024, 2, "test", ["full", "snapkv", "cc-blind"], [128]),
             stage("decode-smol-1024", smol, ["recall"], 1024, 1, "test", ["full", chunked[-2]], [J], evolution=True),
         ]
-    out = []
-    for m, lengths in LENGTHS.items():
-        for length in lengths:
-            name = f"calib-test-{length // 1024}k-{MODELS[m]}"
-            out.append(stage(name, MODELS[m], [*TASKS, "recall", "vt"], length, 4, "test", ["full"], [128]))
+    # Priority order: the target cells first (4K), then the decode-heavy setting, the question
+    # protection (tune), and the other lengths. The full-cache cells of each test grid are its
+    # calibration at that length; the 2K calibration also ran recall and vt.
+    out = [stage(f"calib-test-2k-{MODELS[m]}", MODELS[m], [*TASKS, "recall", "vt"], 2048, 4, "test", ["full"], [128])
+           for m in MODELS]  # fmt: skip
+    out.append(stage("test-smol-4096", smol, TASKS, 4096, N["smol"], "test", test_policies(), BUDGETS))
+    out.append(stage("decode-qwen-2048", qwen, ["recall"], 2048, 12, "test", ["full", *chunked], [J], evolution=True))
     protect = ["full", *PROTECT, *(with_question(p) for p in PROTECT)]
     out.append(stage("tune-protect-smol-4096", smol, TASKS, 4096, 8, "tune", protect, BUDGETS))
-    for m, length in [("smol", 4096), ("qwen", 4096), ("smol", 8192), ("smol", 2048), ("qwen", 2048)]:
+    for m, length in [("qwen", 4096), ("smol", 8192), ("smol", 2048), ("qwen", 2048)]:
         out.append(stage(f"test-{m}-{length}", MODELS[m], TASKS, length, N[m], "test", test_policies(), BUDGETS))
-    out.append(stage("decode-qwen-2048", qwen, ["recall"], 2048, 12, "test", ["full", *chunked], [J], evolution=True))
     return out
 
 
@@ -196,10 +198,11 @@ def calibration_table(records: list[dict]) -> str:
 
 
 def tune_section(out: pathlib.Path) -> str:
-    if not PICK.exists():
+    path = out / "tune-default-4096" / "pick.json"
+    if not path.exists():
         return "(the tune search has not finished: run scripts/pick_defaults.py)\n"
-    pick = json.loads(PICK.read_text())
-    records = tune.tune_only(read_records(PICK.parent))
+    pick = json.loads(path.read_text())
+    records = tune.tune_only(read_records(path.parent))
     lines = [f"Search: {pick['model']} at {pick['length']} tokens, budgets {pick['budgets']}, tasks "
              f"{', '.join(TASKS)} of the tune split; {len(pick['rounds'][0])} candidates.\n"]  # fmt: skip
     for i, rnd in enumerate(pick["rounds"]):
@@ -275,7 +278,9 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "results-runs"))
     args = ap.parse_args()
-    out = pathlib.Path(args.out) / ("quick" if args.quick else "")
+    global RUNS
+    RUNS = pathlib.Path(args.out)
+    out = RUNS / ("quick" if args.quick else "")
     plan = stages(args.quick)
     if args.list:
         print("\n".join(s.name for s in plan))

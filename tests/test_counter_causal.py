@@ -28,6 +28,15 @@ def _tokens(n, n_vocab, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(3, min(n_vocab, 30000), size=n)]
 
 
+def _later_cells(ref, rc, i, n):
+    """A cache of only the cells after i, and a mask that shows them, not the new token itself."""
+    later = RefCache(ref.info.n_layer)
+    later.pos = torch.arange(i + 1, n)
+    later.k = [kl[i + 1 :] for kl in rc.k]
+    later.v = [vl[i + 1 :] for vl in rc.v]
+    return later, torch.tensor([[True] * (n - 1 - i) + [False]])
+
+
 def test_twin_matches_the_definition(tiny_path):
     """Cell by cell: token x_i alone at p_i over a cache holding only the later cells, itself
     masked out, through every layer - a plain forward with an explicit mask."""
@@ -40,11 +49,7 @@ def test_twin_matches_the_definition(tiny_path):
     v = torch.stack(rc.v)
     twin = counter_causal_logits(ref, torch.tensor(toks), torch.arange(n), k, v)
     for i in range(n - 1):
-        later = RefCache(ref.info.n_layer)
-        later.pos = torch.arange(i + 1, n)
-        later.k = [kl[i + 1 :] for kl in rc.k]
-        later.v = [vl[i + 1 :] for vl in rc.v]
-        visible = torch.tensor([[True] * (n - 1 - i) + [False]])  # the later cells, not itself
+        later, visible = _later_cells(ref, rc, i, n)
         logits = ref.forward([toks[i]], [i], later, visible=visible)
         assert abs(float(logits[0, toks[i]]) - float(twin[i])) < 1e-9
     assert torch.isnan(twin[-1])
@@ -114,11 +119,7 @@ def test_blind_twin_matches_its_definition(tiny_path):
     neutral = ref.tok_embd.mean(dim=0)
     saved = ref.tok_embd
     for i in range(n - 1):
-        later = RefCache(ref.info.n_layer)
-        later.pos = torch.arange(i + 1, n)
-        later.k = [kl[i + 1 :] for kl in rc.k]
-        later.v = [vl[i + 1 :] for vl in rc.v]
-        visible = torch.tensor([[True] * (n - 1 - i) + [False]])
+        later, visible = _later_cells(ref, rc, i, n)
         ref.tok_embd = saved.clone()  # ref.output keeps the original rows (tied or not): x_i is still scored
         ref.tok_embd[toks[i]] = neutral  # the token's own input row replaced, nothing else
         try:

@@ -15,6 +15,7 @@ DATA = pathlib.Path(__file__).parent / "data" / "longbench_mini.jsonl"
 def test_loader_uses_longbench_templates_and_names_bad_lines():
     samples, errors = longbench.load(DATA)
     assert [s.task for s in samples] == ["hotpotqa", "trec", "passage_count", "lcc"]
+    assert {s.split for s in samples} == {"data"}  # a user's file is neither split: tune.py refuses it
     hotpot = samples[0]
     assert hotpot.prompt.startswith("Answer the question based on the given passages.")
     assert hotpot.prompt.endswith("Question: Which city is the capital of Norway?\nAnswer:")

@@ -29,7 +29,8 @@ ALIASES = {
 }  # fmt: skip
 # Spec parameters that set up the cell rather than the policy: `chunk` (h, chunked mode's refresh
 # interval; default evaluate.CHUNK), and `window=question`, which protects the sample's closing
-# question (every token from its start on), as kvpress's protocol never compresses the question.
+# question (every token from its start on; or the policy's own recent window if that is longer),
+# as kvpress's protocol never compresses the question.
 RUN_PARAMS = ("chunk",)
 QUESTION = "question"
 
@@ -147,11 +148,18 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
     params.setdefault("mode", "prefill-end")
     for key in RUN_PARAMS:
         params.pop(key, None)
-    if params.get("window") == QUESTION:
+    protect = params.get("window") == QUESTION
+    if protect:
         if question_tokens is None:
             raise KvliteError(f"'{spec}': this sample has no known question to protect")
-        params["window"] = question_tokens
-    return make_policy(name, budget=budget, **params) if name != "full" else FullKV()
+        del params["window"]
+    if name == "full":
+        return FullKV()
+    policy = make_policy(name, budget=budget, **params)
+    if protect:  # in addition to the policy's own recent window (H2O's is half the budget)
+        policy.window = max(policy.window, question_tokens)
+        policy.validate()
+    return policy
 
 
 def run_params(spec: str) -> dict:

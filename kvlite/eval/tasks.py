@@ -111,7 +111,7 @@ class Sample:
     chat: bool = True
     evidence: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     all_classes: list[str] | None = None
-    split: str = "tune"  # "tune" or "test" for generated tasks; "data" for a user's files
+    split: str = "data"  # "tune" or "test" for generated tasks; "data" for a user's files
     question: tuple[int, int] | None = None  # character span of the closing question (None: unknown)
 
 
