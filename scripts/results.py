@@ -160,15 +160,7 @@ def claims_table(records: list[dict]) -> str:
     e = echokv_spec()
     laq = laq_spec(e)
     pairs = [(e, laq), (e, "snapkv"), (e, "streaming"), (laq, "snapkv"), (laq, "streaming"), ("cc-blind", "cc")]
-    lines = ["| model · length | budget | A - B | difference [95% CI] | n | P(A <= B) |", "|---|---|---|---|---|---|"]
-    group = lambda r: f"{r['model']} · {length_of(r)}"  # noqa: E731
-    for budget in BUDGETS:
-        for a, b in pairs:
-            for g, iv in sorted(report.compare(records, (a, budget), (b, budget), group).items()):
-                mark = " **" if iv.excludes_zero() else ""
-                lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt()}{mark} | {iv.n} | "
-                             f"{iv.p_not_better:.3f} |")  # fmt: skip
-    return "\n".join(lines)
+    return report.compare_markdown(records, pairs, BUDGETS, lambda r: f"{r['model']} · {length_of(r)}", label)
 
 
 def fidelity_table(records: list[dict]) -> str:

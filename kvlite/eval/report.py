@@ -138,17 +138,21 @@ def compare(
     return out
 
 
-def compare_markdown(records: list[dict], pairs: list[tuple[str, str]], budgets: list[int], group=None) -> str:
-    """One row per (group, budget, pair): the mean difference with its paired 95% interval, n, and
-    the share of bootstrap resamples in which A is not ahead."""
+def compare_markdown(
+    records: list[dict], pairs: list[tuple[str, str]], budgets: list[int], group=None, label=str
+) -> str:
+    """One row per (group, budget, pair): the mean difference with its paired 95% interval (** when
+    it excludes 0), n, and the share of bootstrap resamples in which A is not ahead. label: how a
+    policy spec is shown."""
     group = group or (lambda r: r["model"])
     lines = ["| samples | budget | A - B | difference [95% CI] | n | P(A <= B) |", "|---|---|---|---|---|---|"]
     for budget in budgets:
         for a, b in pairs:
             cells = compare(records, (a, budget), (b, None if b == "full" else budget), group)
             for g, iv in sorted(cells.items(), key=lambda kv: str(kv[0])):
-                mark = " *" if iv.excludes_zero() else ""
-                lines.append(f"| {g} | {budget} | {a} - {b} | {iv.fmt()}{mark} | {iv.n} | {iv.p_not_better:.3f} |")
+                mark = " **" if iv.excludes_zero() else ""
+                lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt()}{mark} | {iv.n} | "
+                             f"{iv.p_not_better:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -174,7 +178,7 @@ def plot_scores(rows: list[dict], model: str, path: pathlib.Path, value: str = "
     plt = _pyplot()
     mine = [r for r in rows if r["model"] == model]
     task_names = list(dict.fromkeys(r["task"] for r in mine))
-    fig, axes = plt.subplots(1, len(task_names), figsize=(4 * len(task_names), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(task_names), figsize=(4 * len(task_names) + 3, 3.4), squeeze=False)
     for ax, task in zip(axes[0], task_names):
         rs = [r for r in mine if r["task"] == task]
         for policy in dict.fromkeys(r["policy"] for r in rs if r["policy"] != "full"):
@@ -189,7 +193,7 @@ def plot_scores(rows: list[dict], model: str, path: pathlib.Path, value: str = "
         ax.set_xlabel("budget (cells)")
         ax.set_ylabel(value)
         ax.set_ylim(-0.05, 1.05)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))  # outside: lines end at 1.0
     fig.suptitle(model)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
