@@ -227,3 +227,13 @@ def test_test_split_is_labelled_and_unknown_split_refused(tiny_paths, tmp_path):
         grid_cfg(tiny_paths, out, split="holdout").validate()
     with pytest.raises(KvliteError, match="no parameter"):
         parse_spec("snapkv(h2=3)")
+
+
+def test_teacher_forcing_runs_in_pieces_of_a_small_chunk(tiny_paths, tmp_path):
+    """A chunked cell with h shorter than the continuation still gets its fidelity (the continuation
+    is fed in pieces of h: a batch cannot return more logits than it holds)."""
+    out = tmp_path / "h4"
+    Grid(grid_cfg(tiny_paths, out, n=1, policies=["full", "streaming(mode=chunked,h=4)"], budgets=[48])).run()
+    records = {r["policy"]: r for r in read_records(out)}
+    assert len(records["full"]["generated"]) > 4
+    assert "kl" in records["streaming(mode=chunked,h=4)"]

@@ -187,8 +187,12 @@ class SampleRun:
         feed = continuation[:-1]
         if not feed:
             return np.zeros((0, self.model.n_vocab), dtype=np.float32)
-        runner.cache.append(feed, logits="all")
-        return np.stack([runner.ctx.logits(i) for i in range(len(feed))])
+        rows = []
+        for start in range(0, len(feed), runner.chunk):  # a batch holds at most the runner's chunk (h)
+            piece = feed[start : start + runner.chunk]
+            runner.cache.append(piece, logits="all")
+            rows += [runner.ctx.logits(i) for i in range(len(piece))]
+        return np.stack(rows)
 
     # -- EchoKV Table 1 -------------------------------------------------------------------------
     def overlap(self, budget: int, lookahead: int = 8, steps: int = 8, **echokv) -> dict:
