@@ -46,10 +46,17 @@ def news_path() -> pathlib.Path:
     return path
 
 
-def news(n_paragraphs: int) -> list[str]:
-    """Up to n_paragraphs news articles, one paragraph each, in the corpus's order."""
+@functools.lru_cache(maxsize=1)
+def _articles() -> tuple[str, ...]:
+    """The corpus read once per process (every generated sample builds from it)."""
     text = news_path().read_text(encoding="utf-8")
-    return [" ".join(line.split()) for line in text.splitlines() if line.strip()][:n_paragraphs]
+    return tuple(" ".join(line.split()) for line in text.splitlines() if line.strip())
+
+
+def news(n_paragraphs: int) -> list[str]:
+    """Up to n_paragraphs news articles, one paragraph each, in the corpus's order (a new list:
+    callers may insert into it)."""
+    return list(_articles()[:n_paragraphs])
 
 
 SOURCES = {"docstrings": haystack, "news": news}
