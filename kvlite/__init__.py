@@ -1,25 +1,53 @@
-"""kvlite: KV-cache eviction for quantized GGUF models on llama.cpp."""
+"""kvlite: KV-cache eviction for quantized GGUF models on llama.cpp.
+
+The names below are imported on first use (PEP 562), so `kvlite` the command starts without
+loading numpy or llama.cpp until it needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from .api import Session  # noqa: E402
-from .errors import KvliteError  # noqa: E402
-from .policies import (  # noqa: E402
-    H2O,
-    LAQ,
-    TOVA,
-    CounterCausal,
-    CounterCausalBlind,
-    CounterCausalFast,
-    DapQ,
-    EchoKV,
-    FullKV,
-    SnapKV,
-    StreamingLLM,
-    make_policy,
-)
+_EXPORTS = {
+    "Session": "api", "Conversation": "api", "RunSettings": "runner", "KvliteError": "errors",
+    **{name: "policies" for name in ("H2O", "LAQ", "TOVA", "CounterCausal", "CounterCausalBlind",
+                                     "CounterCausalFast", "DapQ", "EchoKV", "FullKV", "KNorm", "SnapKV",
+                                     "StreamingLLM", "make_policy")},
+}  # fmt: skip
+
+if TYPE_CHECKING:
+    from .api import Conversation, Session
+    from .errors import KvliteError
+    from .policies import (
+        H2O,
+        LAQ,
+        TOVA,
+        CounterCausal,
+        CounterCausalBlind,
+        CounterCausalFast,
+        DapQ,
+        EchoKV,
+        FullKV,
+        KNorm,
+        SnapKV,
+        StreamingLLM,
+        make_policy,
+    )  # fmt: skip
+    from .runner import RunSettings
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlite' has no attribute '{name}'")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 __all__ = [
-    "H2O", "LAQ", "TOVA", "CounterCausal", "CounterCausalBlind", "CounterCausalFast", "DapQ", "EchoKV", "FullKV",
-    "KvliteError", "Session", "SnapKV", "StreamingLLM", "__version__", "make_policy",
+    "H2O", "LAQ", "TOVA", "Conversation", "CounterCausal", "CounterCausalBlind", "CounterCausalFast", "DapQ",
+    "EchoKV", "FullKV", "KNorm", "KvliteError", "RunSettings", "Session", "SnapKV", "StreamingLLM", "__version__",
+    "make_policy",
 ]  # fmt: skip

@@ -8,17 +8,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from .engine import Model, SamplingParams
+from .engine import Model
+from .engine.model import drop_prefix
+from .errors import KvliteError
 from .models import resolve_model
 from .policies import FullKV, Policy
-from .runner import DEFAULT_CHUNK, Generation, Runner, plan_context
+from .progress import progress_bar
+from .runner import Generation, Runner, RunSettings, plan_context
 
-if TYPE_CHECKING:
-    from .chat import Conversation
+CHAT_CTX = 4096  # a conversation's length is unknown: the context of one not evicted continuously
 
 
 class Session:
@@ -26,25 +28,25 @@ class Session:
         self,
         model: str | pathlib.Path | Model | None = None,
         policy: Policy | None = None,
-        n_ctx: int = 0,
-        chunk: int = DEFAULT_CHUNK,
-        sampling: SamplingParams | None = None,
-        n_threads: int | None = None,
-        flash_attn: bool = False,
+        settings: RunSettings | None = None,
+        **overrides,
     ):
         """model: a GGUF path, a loaded Model, or None for the default (SmolLM2-135M-Instruct);
-        n_ctx: context cells, 0 = as needed (see runner.plan_context)."""
+        settings: how to run it (RunSettings; n_ctx 0 = as needed, see runner.plan_context), or
+        its fields as keywords (Session(policy=p, n_ctx=2048))."""
+        try:
+            self.settings = dataclasses.replace(settings or RunSettings(), **overrides)
+        except TypeError:
+            names = ", ".join(f.name for f in dataclasses.fields(RunSettings))
+            raise KvliteError(f"unknown run setting in {sorted(overrides)}: the settings are {names}") from None
         self.model = model if isinstance(model, Model) else Model(resolve_model(model))
         self.policy = policy or FullKV()
         self.policy.validate()
-        self.n_ctx, self.chunk = n_ctx, chunk
-        self.sampling, self.n_threads, self.flash_attn = sampling, n_threads, flash_attn
-        self._conversation = None
+        self._conversation: Conversation | None = None
 
     def _runner(self, n_ctx: int, n_tokens: int, n_predict: int) -> Runner:
-        n_ctx, chunk = plan_context(self.policy, n_ctx, n_tokens, n_predict, self.chunk)
-        return Runner(self.model, self.policy, n_ctx=n_ctx, chunk=chunk, sampling=self.sampling,
-                      n_threads=self.n_threads, flash_attn=self.flash_attn)  # fmt: skip
+        n_ctx, chunk = plan_context(self.policy, n_ctx, n_tokens, n_predict, self.settings.chunk)
+        return Runner(self.model, self.policy, dataclasses.replace(self.settings, n_ctx=n_ctx, chunk=chunk))
 
     def generate(
         self,
@@ -54,18 +56,18 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         progress: bool = False,
     ) -> Generation:
-        """Complete one prompt on a fresh cache (chat=True wraps it as a user turn of the template).
-        progress: a prefill progress bar on stderr when it is a terminal."""
-        from .errors import KvliteError
-        from .progress import progress_bar
-
+        """Complete one prompt on a fresh cache (chat=True wraps it as a user turn of the template;
+        its text is never read as control tokens). progress: a prefill progress bar on stderr when
+        it is a terminal."""
         if not prompt.strip():
             raise KvliteError("the prompt is empty")
         if n_predict < 0:
             raise KvliteError(f"-n must be >= 0, got {n_predict}")
-        text = self.model.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        tokens = self.model.tokenize(text, add_special=True, parse_special=chat)
-        runner = self._runner(self.n_ctx, len(tokens), n_predict)
+        if chat:
+            tokens = self.model.tokenize_chat([{"role": "user", "content": prompt}])
+        else:
+            tokens = self.model.tokenize(prompt, add_special=True, parse_special=False)
+        runner = self._runner(self.settings.n_ctx, len(tokens), n_predict)
         try:
             with progress_bar(len(tokens) if progress else 0, "prefill", min_total=max(1, 2 * runner.chunk)) as bar:
                 runner.feed(tokens, progress=bar)
@@ -84,9 +86,9 @@ class Session:
     def conversation(self, system: str | None = None) -> Conversation:
         """A new conversation on its own context: 4096 cells unless the policy evicts continuously
         (then budget + chunk) or n_ctx says otherwise."""
-        from .chat import CHAT_CTX, Conversation
-
-        n_ctx = self.n_ctx or (0 if self.policy.continuous else CHAT_CTX)
+        if self.model.chat_template is None:
+            raise KvliteError(f"{self.model.path.name} has no chat template: use `kvlite generate`")
+        n_ctx = self.settings.n_ctx or (0 if self.policy.continuous else CHAT_CTX)
         return Conversation(self._runner(n_ctx, 0, 0), system=system)
 
     def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
@@ -100,3 +102,65 @@ class Session:
         """Forget the conversation."""
         if self._conversation is not None:
             self._conversation.reset()
+
+
+class Conversation:
+    """The messages so far and the text of them the cache holds. Each turn feeds only the new text
+    (the rendered conversation minus what the cache already holds)."""
+
+    def __init__(self, runner: Runner, system: str | None = None):
+        self.runner = runner
+        self.system = system
+        self.reset()
+
+    def reset(self) -> None:
+        self.runner.cache.reset()
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.rendered = ""  # the text of the conversation the cache holds
+
+    def turn(self, user: str, n_predict: int, on_text, interrupted, progress: bool = True) -> tuple[str, str]:
+        """Feed one user message and generate the reply. Returns (reply, why it stopped)."""
+        model = self.runner.model
+        messages = [*self.messages, {"role": "user", "content": user}]
+        # The template re-renders the whole conversation; the cache already holds its prefix (as
+        # text: the reply's tokens as generated need not be how the text would tokenize).
+        pieces = model.chat_segments(messages, add_assistant=True)
+        full = "".join(t for t, _ in pieces)
+        skip = len(self.rendered) if full.startswith(self.rendered) else 0
+        tokens = model.tokenize_pieces(drop_prefix(pieces, skip), add_special=not self.rendered)
+        cache = self.runner.cache
+        start = cache.n_pos
+        with progress_bar(len(tokens) if progress else 0, "prefill", min_total=2 * self.runner.chunk) as bar:
+            try:
+                complete = self.runner.feed(tokens, progress=bar, interrupted=interrupted)
+            except KvliteError:
+                cache.truncate(start)
+                raise
+        if not complete:
+            cache.truncate(start)  # forget the half-fed turn; the conversation is as before
+            return "", "interrupted"
+        out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
+        reply = model.detokenize(out)
+        self.messages = [*messages, {"role": "assistant", "content": reply}]
+        self.rendered = full + reply
+        return reply, stopped
+
+    def status(self) -> str:
+        c = self.runner.cache
+        budget = self.runner.policy.budget
+        return (
+            f"[cells {c.n_resident}/{self.runner.ctx.n_ctx} | budget {budget if budget else 'none'} | "
+            f"evicted {c.evicted} | policy {self.runner.policy.name}]"
+        )
+
+    def stats(self) -> str:
+        c = self.runner.cache
+        t = self.runner.timings.as_dict()
+        kept = c.positions()
+        lines = [
+            self.status(),
+            f"positions used {c.n_pos}, resident {len(kept)}, max cells {c.max_cells}",
+            f"prefill {t['prefill_tokens']} tok in {t['prefill_s']:.2f} s, "
+            f"decode {t['decode_tokens']} tok in {t['decode_s']:.2f} s, eviction {t['evict_s'] * 1000:.1f} ms",
+        ]
+        return "\n".join(lines)

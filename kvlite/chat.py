@@ -1,6 +1,5 @@
-"""`kvlite chat`: a multi-turn REPL on the model's chat template whose compressed cache persists
-across turns. Each turn feeds only the new text (the rendered conversation minus what the cache
-already holds). Ctrl-C stops the current reply between tokens; at the prompt it leaves."""
+"""`kvlite chat`: a multi-turn REPL over api.Conversation, whose compressed cache persists across
+turns. Ctrl-C stops the current reply between tokens; at the prompt it leaves."""
 
 from __future__ import annotations
 
@@ -9,75 +8,12 @@ import signal
 import sys
 from collections.abc import Iterator
 
-from .engine import Model, SamplingParams
+from .api import Session
 from .errors import KvliteError
-from .models import resolve_model
 from .policies import Policy
-from .progress import progress_bar
-from .runner import Runner
-
-CHAT_CTX = 4096  # a conversation's length is unknown: the context of one not evicted continuously
+from .runner import RunSettings
 
 HELP = "/reset clears the conversation, /stats shows the cache, /quit leaves (or Ctrl-D)"
-
-
-class Conversation:
-    """The messages so far and the text of them the cache holds."""
-
-    def __init__(self, runner: Runner, system: str | None = None):
-        self.runner = runner
-        self.system = system
-        self.reset()
-
-    def reset(self) -> None:
-        self.runner.cache.reset()
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.rendered = ""
-
-    def turn(self, user: str, n_predict: int, on_text, interrupted) -> tuple[str, str]:
-        """Feed one user message and generate the reply. Returns (reply, why it stopped)."""
-        model = self.runner.model
-        messages = [*self.messages, {"role": "user", "content": user}]
-        full = model.apply_chat_template(messages, add_assistant=True)
-        # The template re-renders the whole conversation; the cache already holds its prefix.
-        new_text = full[len(self.rendered) :] if full.startswith(self.rendered) else full
-        tokens = model.tokenize(new_text, add_special=not self.rendered, parse_special=True)
-        cache = self.runner.cache
-        start = cache.n_pos
-        with progress_bar(len(tokens), "prefill", min_total=2 * self.runner.chunk) as bar:
-            try:
-                complete = self.runner.feed(tokens, progress=bar, interrupted=interrupted)
-            except KvliteError:
-                cache.truncate(start)
-                raise
-        if not complete:
-            cache.truncate(start)  # forget the half-fed turn; the conversation is as before
-            return "", "interrupted"
-        out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
-        reply = model.detokenize(out)
-        self.messages = [*messages, {"role": "assistant", "content": reply}]
-        self.rendered = full + reply
-        return reply, stopped
-
-    def status(self) -> str:
-        c = self.runner.cache
-        budget = self.runner.policy.budget
-        return (
-            f"[cells {c.n_resident}/{self.runner.ctx.n_ctx} | budget {budget if budget else 'none'} | "
-            f"evicted {c.evicted} | policy {self.runner.policy.name}]"
-        )
-
-    def stats(self) -> str:
-        c = self.runner.cache
-        t = self.runner.timings.as_dict()
-        kept = c.positions()
-        lines = [
-            self.status(),
-            f"positions used {c.n_pos}, resident {len(kept)}, max cells {c.max_cells}",
-            f"prefill {t['prefill_tokens']} tok in {t['prefill_s']:.2f} s, "
-            f"decode {t['decode_tokens']} tok in {t['decode_s']:.2f} s, eviction {t['evict_s'] * 1000:.1f} ms",
-        ]
-        return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -95,17 +31,12 @@ def sigint_flag() -> Iterator[list[bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
-    from .api import Session
-
-    model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
-    if model.chat_template is None:
-        raise KvliteError(f"{model.path.name} has no chat template: use `kvlite generate`")
-    session = Session(model, policy, n_ctx=args.ctx_size, chunk=args.chunk, sampling=sampling,
-                      n_threads=args.threads, flash_attn=args.flash_attn)  # fmt: skip
-    conv = session.conversation(system=args.system)
+def run_chat(model, policy: Policy, settings: RunSettings, n_predict: int, system: str | None = None) -> int:
+    """The REPL on a loaded model; stdin lines are user turns."""
+    session = Session(model, policy, settings)
+    conv = session.conversation(system=system)
     interactive = sys.stdin.isatty()
-    print(f"kvlite chat: {model.info.name}, policy {policy.name}. {HELP}", file=sys.stderr)
+    print(f"kvlite chat: {session.model.info.name}, policy {policy.name}. {HELP}", file=sys.stderr)
     while True:
         try:
             line = input("> " if interactive else "")
@@ -114,6 +45,9 @@ def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
         except KeyboardInterrupt:
             print(file=sys.stderr)
             break
+        except UnicodeDecodeError:
+            print("kvlite: error: that line is not valid UTF-8: type it again", file=sys.stderr)
+            continue
         text = line.strip()
         if not text:
             continue
@@ -131,7 +65,7 @@ def run_chat(args, policy: Policy, sampling: SamplingParams) -> int:
             continue
         with sigint_flag() as flag:
             try:
-                _, stopped = conv.turn(text, args.n_predict, on_text=_echo, interrupted=lambda: flag[0])
+                _, stopped = conv.turn(text, n_predict, on_text=_echo, interrupted=lambda: flag[0])
             except KvliteError as e:
                 print(f"\nkvlite: error: {e} (/reset starts over)", file=sys.stderr)
                 continue

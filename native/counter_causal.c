@@ -12,15 +12,6 @@
 #include "gguf.h"
 #include "kvl.h"
 
-// Mirrored by a ctypes Structure in kvlite/native.py.
-struct kvl_hparams {
-    int32_t arch;  // 0 llama, 1 qwen2 (biased Q/K/V projections)
-    int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab;
-    float rms_eps;
-    int32_t rope_mode, rope_dims, rope_n_ctx_orig;
-    float rope_base, rope_freq_scale, yarn_ext_factor, yarn_attn_factor, yarn_beta_fast, yarn_beta_slow;
-};
-
 // Query rows per attention block: the [n, block, H] f32 score matrix stays near 64 MB.
 static int kvl_cc_block(int n, int n_head) {
     const size_t b = (64u << 20) / (4u * (size_t) n * (size_t) n_head);
@@ -193,9 +184,7 @@ int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first
         struct ggml_tensor * cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->attn_norm);
         struct ggml_tensor * q = ggml_mul_mat(g, L->wq, cur);
         if (L->bq) q = ggml_add(g, q, L->bq);
-        q = ggml_rope_ext(g, ggml_reshape_3d(g, q, D, hp->n_head, n), t_pos, NULL, hp->rope_dims, hp->rope_mode,
-                          hp->rope_n_ctx_orig, hp->rope_base, hp->rope_freq_scale, hp->yarn_ext_factor,
-                          hp->yarn_attn_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+        q = kvl_rope_ext(g, ggml_reshape_3d(g, q, D, hp->n_head, n), t_pos, &hp->rope);
         struct ggml_tensor * kl = ggml_view_3d(g, t_k, D, Hkv, n, t_k->nb[1], t_k->nb[2], lo * t_k->nb[3]);
         struct ggml_tensor * vl = ggml_view_3d(g, t_v, D, Hkv, n, t_v->nb[1], t_v->nb[2], lo * t_v->nb[3]);
         if (kv_type != GGML_TYPE_F32) {  // widen: a mixed product would round the queries to f16

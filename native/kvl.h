@@ -14,7 +14,7 @@
 #include "ggml.h"
 
 // Bumped whenever a signature or a layout changes; Python refuses a library with another value.
-#define KVL_ABI_VERSION 7
+#define KVL_ABI_VERSION 8
 
 enum kvl_status {
     KVL_OK = 0,
@@ -24,6 +24,27 @@ enum kvl_status {
     KVL_COMPUTE_FAILED = -4,
     KVL_BAD_MODEL = -5,
 };
+
+// A model's RoPE as llama.cpp applies it (ggml_rope_ext's arguments). Mirrored by kvlite/native.py.
+struct kvl_rope {
+    int32_t mode, n_dims, n_ctx_orig;
+    float freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
+};
+
+// The model facts a counter-causal pass needs. Mirrored by kvlite/native.py.
+struct kvl_hparams {
+    int32_t arch;  // 0 llama, 1 qwen2 (biased Q/K/V projections)
+    int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab;
+    float rms_eps;
+    struct kvl_rope rope;
+};
+
+// ggml_rope_ext of x [head_dim, n_head, n] at positions pos with a model's RoPE.
+static inline struct ggml_tensor * kvl_rope_ext(struct ggml_context * g, struct ggml_tensor * x, struct ggml_tensor * pos,
+                                                const struct kvl_rope * r) {
+    return ggml_rope_ext(g, x, pos, NULL, r->n_dims, r->mode, r->n_ctx_orig, r->freq_base, r->freq_scale,
+                         r->ext_factor, r->attn_factor, r->beta_fast, r->beta_slow);
+}
 
 // One ggml backend and graph allocator, reused across calls.
 struct kvl_ctx {

@@ -140,10 +140,10 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
 // EchoKV Eq. 2, proposals: RoPE as llama.cpp applies it (ggml_rope_ext with the model's mode,
 // base, frequency scale and YaRN parameters), here to rotate pre-RoPE queries to chosen positions.
 //   x: f32 [n_tok, n_head, head_dim] (pre-RoPE); pos: i32 [n_tok]; out: f32, same shape as x.
-int kvl_rope(struct kvl_ctx * c, const float * x, const int32_t * pos, int n_tok, int n_head, int head_dim, int n_dims,
-             int mode, int n_ctx_orig, float freq_base, float freq_scale, float ext_factor, float attn_factor,
-             float beta_fast, float beta_slow, float * out) {
-    if (!c || n_tok <= 0 || n_head <= 0 || head_dim <= 0 || n_dims <= 0 || n_dims > head_dim || n_dims % 2) {
+int kvl_rope(struct kvl_ctx * c, const struct kvl_rope * rope, const float * x, const int32_t * pos, int n_tok,
+             int n_head, int head_dim, float * out) {
+    if (!c || !rope || n_tok <= 0 || n_head <= 0 || head_dim <= 0 || rope->n_dims <= 0 || rope->n_dims > head_dim ||
+        rope->n_dims % 2) {
         return KVL_BAD_SHAPE;
     }
     struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
@@ -153,8 +153,7 @@ int kvl_rope(struct kvl_ctx * c, const float * x, const int32_t * pos, int n_tok
     struct ggml_tensor * tp = ggml_new_tensor_1d(g, GGML_TYPE_I32, n_tok);
     ggml_set_input(tx);
     ggml_set_input(tp);
-    struct ggml_tensor * r = ggml_rope_ext(g, tx, tp, NULL, n_dims, mode, n_ctx_orig, freq_base, freq_scale, ext_factor,
-                                           attn_factor, beta_fast, beta_slow);
+    struct ggml_tensor * r = kvl_rope_ext(g, tx, tp, rope);
     ggml_set_output(r);
     struct ggml_cgraph * gf = ggml_new_graph(g);
     ggml_build_forward_expand(gf, r);

@@ -25,7 +25,7 @@ from kvlite.engine import Model
 from kvlite.haystack import haystack
 from kvlite.models import default_model_path
 from kvlite.policies import make_policy
-from kvlite.runner import Runner, plan_context
+from kvlite.runner import Runner, RunSettings, plan_context
 
 ALL = "full,streaming,h2o,tova,snapkv,dapq,laq,echokv,cc,cc-fast"
 
@@ -41,7 +41,7 @@ def prose_tokens(model: Model, n: int) -> list[int]:
 def run_policy(model: Model, name: str, tokens: list[int], budget: int, n_decode: int) -> dict:
     policy = make_policy(name, budget=None if name == "full" else budget)
     n_ctx, chunk = plan_context(policy, 0, len(tokens), n_decode + 1, 512)
-    runner = Runner(model, policy, n_ctx=n_ctx, chunk=chunk)
+    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk))
     t0 = time.perf_counter()
     runner.feed(tokens)
     runner.generate(1)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from conftest import KVLITE
 
-from kvlite.chat import Conversation
+from kvlite.api import Conversation
 from kvlite.engine import Model
 from kvlite.policies import make_policy
-from kvlite.runner import Runner
+from kvlite.runner import Runner, RunSettings
 
 
 def consistent(runner: Runner) -> bool:
@@ -37,7 +37,7 @@ def after(n: int):
 @pytest.fixture()
 def conversation(tiny_paths):
     model = Model(tiny_paths["llama"])
-    runner = Runner(model, make_policy("streaming", budget=120, sinks=4), n_ctx=256, chunk=64)
+    runner = Runner(model, make_policy("streaming", budget=120, sinks=4), RunSettings(n_ctx=256, chunk=64))
     return Conversation(runner)
 
 

@@ -14,7 +14,7 @@ from kvlite.eval import tasks
 from kvlite.eval.evaluate import SampleRun, tokenize
 from kvlite.eval.grid import Grid, GridConfig, parse_spec, read_records, split_policies
 from kvlite.policies import EchoKV, SnapKV
-from kvlite.runner import Runner
+from kvlite.runner import Runner, RunSettings
 
 POLICIES = ["full", "streaming", "snapkv", "echokv(T=4,B1=96)"]
 
@@ -61,7 +61,7 @@ def test_snapshot_replay_equals_a_plain_run(tiny_model, prompt):
     run.cell(EchoKV(budget=48, lookahead=4, workspace=96))  # not FullKV: no reference needed here
     for policy in (SnapKV(budget=40), EchoKV(budget=48, lookahead=4, workspace=96)):
         record = run.cell(policy)
-        plain = Runner(tiny_model, policy, n_ctx=run.n_ctx, sampling=SamplingParams())
+        plain = Runner(tiny_model, policy, RunSettings(n_ctx=run.n_ctx, sampling=SamplingParams()))
         try:
             plain.feed(prompt.tokens)
             out, _ = plain.generate(prompt.max_new_tokens)

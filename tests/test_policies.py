@@ -8,17 +8,22 @@ import pytest
 
 from kvlite.errors import KvliteError
 from kvlite.policies import POLICIES, make_policy
-from kvlite.runner import Runner, plan_context
+from kvlite.runner import Runner, RunSettings, plan_context
 
 SCORED = [name for name in POLICIES if name not in ("full", "streaming")]
+
+
+def _policy(name, **params):
+    """make_policy with the test's shared settings, leaving out those a policy does not take."""
+    return make_policy(name, **{k: v for k, v in params.items() if k in POLICIES[name].params()})
 
 
 def _run(model, name, n_prompt=300, budget=64, **params):
     rng = np.random.default_rng(0)
     tokens = [int(t) for t in rng.integers(3, model.n_vocab, size=n_prompt)]
-    policy = make_policy(name, budget=budget, sinks=4, **params)
+    policy = _policy(name, budget=budget, sinks=4, **params)
     n_ctx, chunk = plan_context(policy, 0, len(tokens), 8, 128)
-    runner = Runner(model, policy, n_ctx=n_ctx, chunk=chunk)
+    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk))
     assert runner.feed(tokens)
     return runner, policy
 
@@ -53,7 +58,7 @@ def test_policies_score_differently(tiny_model):
     "name,params,message",
     [
         ("echokv", dict(lookahead=5), "even"),
-        ("echokv", dict(lookahead=0), "-T must be positive"),
+        ("echokv", dict(lookahead=0), "-T must be >= 1, got 0"),
         ("laq", dict(workspace=32), "smaller than --budget"),
         ("snapkv", dict(pool_kernel=4), "odd"),
         ("tova", dict(aggregation="median"), "--aggregate"),
@@ -83,9 +88,9 @@ def test_generation_after_eviction_matches_the_reference(tiny_paths, name):
     model = Model(path)
     rng = np.random.default_rng(1)
     tokens = [int(t) for t in rng.integers(3, model.n_vocab, size=200)]
-    policy = make_policy(name, budget=48, sinks=4, lookahead=4, workspace=96)
+    policy = _policy(name, budget=48, sinks=4, lookahead=4, workspace=96)
     n_ctx, chunk = plan_context(policy, 0, len(tokens), 8, 64)
-    runner = Runner(model, policy, n_ctx=n_ctx, chunk=chunk, kv_type="f32")
+    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, kv_type="f32"))
     runner.feed(tokens)
     kept = runner.cache.positions().tolist()
     out, _ = runner.generate(8)
@@ -108,9 +113,9 @@ def test_chunked_mode_bounds_the_cache(tiny_model, name):
     chunk (+ lookahead) cells, and llama.cpp agrees on what is resident after every refresh."""
     rng = np.random.default_rng(2)
     tokens = [int(t) for t in rng.integers(3, tiny_model.n_vocab, size=1100)]
-    policy = make_policy(name, budget=160, sinks=4, mode="chunked", lookahead=4, workspace=192)
+    policy = _policy(name, budget=160, sinks=4, mode="chunked", lookahead=4, workspace=192)
     n_ctx, chunk = plan_context(policy, 0, len(tokens), 40, 64)
-    runner = Runner(tiny_model, policy, n_ctx=n_ctx, chunk=chunk)
+    runner = Runner(tiny_model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk))
     assert len(tokens) >= 4 * runner.ctx.n_ctx
     runner.feed(tokens)
     assert len(runner.cache.positions()) == 160
@@ -146,7 +151,7 @@ def test_every_policy_on_smollm2(smol_model):
     for name in SCORED:
         policy = make_policy(name, budget=128, sinks=4)
         n_ctx, chunk = plan_context(policy, 0, len(tokens), 4, 512)
-        runner = Runner(smol_model, policy, n_ctx=n_ctx, chunk=chunk)
+        runner = Runner(smol_model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk))
         runner.feed(tokens)
         kept = runner.cache.positions()
         assert len(kept) == 128 and set(range(4)) <= set(kept.tolist()) and kept[-1] == len(tokens) - 1, name

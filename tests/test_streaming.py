@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvlite.policies import make_policy
-from kvlite.runner import Runner, plan_context
+from kvlite.runner import Runner, RunSettings, plan_context
 
 
 def _run(model, n_prompt, budget, chunk, n_predict, sinks=4):
@@ -14,7 +14,7 @@ def _run(model, n_prompt, budget, chunk, n_predict, sinks=4):
     tokens = [int(t) for t in rng.integers(3, min(model.n_vocab, 30000), size=n_prompt)]
     policy = make_policy("streaming", budget=budget, sinks=sinks)
     n_ctx, chunk = plan_context(policy, 0, len(tokens), n_predict, chunk)
-    runner = Runner(model, policy, n_ctx=n_ctx, chunk=chunk)
+    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk))
     assert runner.feed(tokens)
     after_prefill = runner.cache.positions()
     out, _ = runner.generate(n_predict)

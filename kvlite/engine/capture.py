@@ -5,7 +5,6 @@ and a Python callback there cost ~15% of decode speed."""
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 
 import llama_cpp
@@ -30,16 +29,15 @@ class Capture:
     """Records, per ubatch, the requested (kind, layer) tensors of every decode while enabled."""
 
     def __init__(self) -> None:
-        self._lib = native().lib
-        self.ptr = self._lib.kvl_capture_new()
+        self._native = native()
+        self.ptr = self._native.capture_new()
         self._wants: list[tuple[str, int]] = []  # the native want index -> (kind, layer)
-        address = ctypes.cast(self._lib.kvl_capture_eval, ctypes.c_void_p).value
-        self.callback = llama_cpp.ggml_backend_sched_eval_callback(address)
-        self.user_data = ctypes.c_void_p(self.ptr)
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._native.capture_callback())
+        self.user_data = self.ptr  # llama.cpp hands it back to the callback
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
-            self._lib.kvl_capture_free(self.ptr)
+            self._native.capture_free(self.ptr)
             self.ptr = None
 
     def __del__(self) -> None:
@@ -52,24 +50,24 @@ class Capture:
     @enabled.setter
     def enabled(self, on: bool) -> None:
         self._enabled = bool(on)
-        self._lib.kvl_capture_enable(self.ptr, int(on))
+        self._native.capture_enable(self.ptr, on)
 
     def request(self, kind: str, layers: Iterable[int]) -> None:
         pattern, op, _, _ = KINDS[kind]
         for il in layers:
             if (kind, il) in self._wants:
                 continue
-            if self._lib.kvl_capture_want(self.ptr, pattern.format(il=il).encode(), op.encode()) < 0:
+            if self._native.capture_want(self.ptr, pattern.format(il=il), op) < 0:
                 raise ValueError("too many capture requests")
             self._wants.append((kind, il))
 
     def clear(self) -> None:
-        self._lib.kvl_capture_clear(self.ptr)
+        self._native.capture_clear(self.ptr)
 
     def take(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:
         """get(), then forget those records (others stay)."""
         out = self.get(kind, layer)
-        self._lib.kvl_capture_drop(self.ptr, self._wants.index((kind, layer)))
+        self._native.capture_drop(self.ptr, self._wants.index((kind, layer)))
         return out
 
     def wants(self, kind: str, layer: int) -> bool:
@@ -78,17 +76,11 @@ class Capture:
     @property
     def data(self) -> dict[tuple[str, int], list[np.ndarray]]:
         """Everything captured since the last clear: (kind, layer) -> one array per ubatch."""
-        n = self._lib.kvl_capture_count(self.ptr)
-        if n < 0:
-            raise MemoryError("the capture could not store a tensor (out of memory)")
         out: dict[tuple[str, int], list[np.ndarray]] = {}
-        want = ctypes.c_int()
-        ne = (ctypes.c_int64 * 4)()
-        for i in range(n):
-            ptr = self._lib.kvl_capture_record(self.ptr, i, ctypes.byref(want), ne)
-            kind, il = self._wants[want.value]
-            shape = tuple(ne)[::-1][-KINDS[kind][2] :]  # numpy order, ggml's unit dims dropped
-            out.setdefault((kind, il), []).append(np.ctypeslib.as_array(ptr, shape=shape).copy())
+        for want, a in self._native.capture_records(self.ptr):
+            kind, il = self._wants[want]
+            dims = KINDS[kind][2]
+            out.setdefault((kind, il), []).append(a.reshape(a.shape[-dims:]))  # ggml's unit dims dropped
         return out
 
     def get(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:

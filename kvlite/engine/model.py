@@ -68,7 +68,12 @@ class Model:
 
     # -- tokens ---------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode()
+        """parse_special: read text such as <|im_start|> as control tokens (only a template's own
+        markers should be: user text never is, see tokenize_chat)."""
+        try:
+            data = text.encode()
+        except UnicodeEncodeError:
+            raise KvliteError("the text is not valid UTF-8") from None
         n = len(data) + 16
         buf = (L.llama_token * n)()
         k = L.llama_tokenize(self.vocab, data, len(data), buf, n, add_special, parse_special)
@@ -122,6 +127,50 @@ class Model:
         if n < 0:
             raise KvliteError(f"llama.cpp does not know the chat template of {self.path.name}")
         return buf.raw[:n].decode(errors="replace")
+
+    def chat_segments(self, messages: Sequence[dict], add_assistant: bool = True) -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, is_message_text) pieces, so that message text can be
+        tokenized without reading control tokens in it. A template that rewrites message text
+        (trims it, say) cannot be split this way: it comes back as one piece of template."""
+        rendered = self.apply_chat_template(messages, add_assistant)
+        marks = [f"\x1ekvlite-{i}\x1e" for i in range(len(messages))]
+        marked = self.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks)], add_assistant)
+        pieces: list[tuple[str, bool]] = []
+        rest = marked
+        for m, mark in zip(messages, marks):
+            before, found, rest = rest.partition(mark)
+            if not found:
+                return [(rendered, False)]
+            pieces += [(before, False), (m["content"], True)]
+        pieces.append((rest, False))
+        if "".join(t for t, _ in pieces) != rendered:
+            return [(rendered, False)]
+        return [(t, c) for t, c in pieces if t]
+
+    def tokenize_pieces(self, pieces: Sequence[tuple[str, bool]], add_special: bool = True) -> list[int]:
+        """Tokens of (text, is_message_text) pieces: message text literally, the template's own
+        text with its control tokens."""
+        out: list[int] = []
+        for text, literal in pieces:
+            out += self.tokenize(text, add_special=add_special and not out, parse_special=not literal)
+        return out
+
+    def tokenize_chat(self, messages: Sequence[dict], add_assistant: bool = True) -> list[int]:
+        """The conversation rendered by the template and tokenized; text like <|im_end|> inside a
+        message stays text, so a prompt cannot end its own turn."""
+        return self.tokenize_pieces(self.chat_segments(messages, add_assistant))
+
+
+def drop_prefix(pieces: Sequence[tuple[str, bool]], n_chars: int) -> list[tuple[str, bool]]:
+    """The pieces after their first n_chars characters."""
+    out = []
+    for text, literal in pieces:
+        if n_chars >= len(text):
+            n_chars -= len(text)
+            continue
+        out.append((text[n_chars:], literal))
+        n_chars = 0
+    return out
 
 
 class TextStream:

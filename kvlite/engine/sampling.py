@@ -19,8 +19,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temp < 0:
-            raise KvliteError(f"--temp must be >= 0, got {self.temp}")
+        if not 0 <= self.temp < float("inf"):  # NaN fails every comparison
+            raise KvliteError(f"--temp must be a finite number >= 0, got {self.temp}")
         if not 0 < self.top_p <= 1:
             raise KvliteError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -19,7 +19,7 @@ from ..engine import Capture, Context, Model, SamplingParams
 from ..policies import FullKV, Policy
 from ..policies.lookahead import EchoKV
 from ..policies.observe import Observation
-from ..runner import Runner
+from ..runner import Runner, RunSettings
 from . import longbench, metrics
 from .tasks import Sample
 
@@ -67,6 +67,29 @@ def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None, ma
     return Prompt(sample, tokens, sorted(set(evidence)), max_new, question)
 
 
+class ScoreMemo:
+    """A policy whose scores of one prompt are computed once and reused by cells of other budgets
+    (only for policies whose scores do not depend on the budget: the cut then moves, nothing else).
+    Everything but `scores` is the wrapped policy's."""
+
+    def __init__(self, policy: Policy, memo: dict, key: str):
+        self.policy, self.memo, self.key = policy, memo, key
+        self.reused = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        hit = self.memo.get(self.key)
+        if hit is not None and len(hit[0]) == len(obs.positions):
+            obs.workspace_views = list(hit[1])
+            self.reused = True
+            return hit[0]
+        scores = self.policy.scores(obs)
+        self.memo[self.key] = (scores, list(obs.workspace_views))
+        return scores
+
+
 @dataclasses.dataclass
 class Reference:
     """What the full cache did: its greedy continuation and the next-token logits along it."""
@@ -84,7 +107,7 @@ class SampleRun:
         self.tail = max(1, min(tail, n - 1)) if n > 1 else 1
         self.n_ctx = n + prompt.max_new_tokens + extra_ctx + 8
         self.reference: Reference | None = None
-        self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by policy spec, see cell()
+        self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by policy spec (ScoreMemo)
         t0 = time.perf_counter()
         hidden_layer = model.info.n_layer - 2
         capture = Capture()
@@ -102,8 +125,10 @@ class SampleRun:
         self.prefix_s = time.perf_counter() - t0
 
     def runner(self, policy: Policy, chunk: int = CHUNK) -> Runner:
-        return Runner(self.model, policy, n_ctx=self.n_ctx, chunk=chunk, sampling=SamplingParams(temp=0.0),
-                      n_threads=self.n_threads)  # fmt: skip
+        settings = RunSettings(
+            n_ctx=self.n_ctx, chunk=chunk, sampling=SamplingParams(temp=0.0), n_threads=self.n_threads
+        )
+        return Runner(self.model, policy, settings)
 
     def _read_prompt(self, runner: Runner) -> None:
         tokens = self.prompt.tokens
@@ -122,19 +147,15 @@ class SampleRun:
         prompt, sample = self.prompt, self.prompt.sample
         n = len(prompt.tokens)
         t0 = time.perf_counter()
-        runner = self.runner(policy, chunk)
+        reusable = reuse is not None and not policy.scores_depend_on_budget() and not policy.continuous
+        memo = ScoreMemo(policy, self.scores, reuse) if reusable else None
+        runner = self.runner(memo or policy, chunk)
         if evolution and policy.continuous:
             runner.history = []
-        reusable = reuse is not None and not policy.scores_depend_on_budget() and not policy.continuous
         try:
-            memo = self.scores.get(reuse) if reusable else None
-            fresh = memo is None
-            if memo is not None:
-                runner.reuse_scores = memo[0]
             self._read_prompt(runner)
-            if reusable and memo is None and runner.last_scores is not None:
-                memo = self.scores[reuse] = (runner.last_scores, runner.workspace_views)
-            views = [v[v < n] for v in (memo[1] if memo else runner.workspace_views)]
+            last = runner.last_eviction
+            views = [v[v < n] for v in (last.workspace_views if last else [])]
             out, stopped = runner.generate(prompt.max_new_tokens)
             kept = runner.cache_report(n)["kept_positions"]
             t1 = time.perf_counter()
@@ -159,7 +180,7 @@ class SampleRun:
             "evidence_kept": metrics.retention(kept, prompt.evidence) if policy.budget else None,
             "workspace_evidence": [metrics.retention(v, prompt.evidence) for v in views],
             "workspace_sizes": [len(v) for v in views],
-            "scores_reused": not fresh and runner.reuse_scores is None,  # the runner consumed them
+            "scores_reused": bool(memo and memo.reused),
         }
         if runner.history is not None:
             record["evolution"] = [[int(p) for p in kept] for kept in runner.history]
@@ -204,7 +225,7 @@ class SampleRun:
         runner = self.runner(policy)
         try:
             self._read_prompt(runner)
-            obs = Observation(runner)
+            obs = runner.observation()
 
             def frozen(view: np.ndarray) -> np.ndarray:
                 look = obs.lookahead(view)

@@ -18,20 +18,16 @@ from collections.abc import Iterator
 from ..engine import Model
 from ..errors import KvliteError
 from ..models import resolve_model
-from ..policies import POLICIES, FullKV, Policy, make_policy
+from ..policies import POLICIES, FullKV, Param, Policy, make_policy
 from . import longbench, tasks
 from .evaluate import SampleRun, tokenize
 
-# Short names for policy parameters in specs such as "echokv(T=8,aggregate=mean)".
-ALIASES = {
-    "T": "lookahead", "aggregate": "aggregation", "B1": "workspace", "surprise": "score", "kernel": "pool_kernel",
-    "S": "anchors", "h": "chunk",
-}  # fmt: skip
-# Spec parameters that set up the cell rather than the policy: `chunk` (h, chunked mode's refresh
-# interval; default evaluate.CHUNK), and `window=question`, which protects the sample's closing
-# question (every token from its start on; or the policy's own recent window if that is longer),
-# as kvpress's protocol never compresses the question.
-RUN_PARAMS = ("chunk",)
+# Policy parameters in specs such as "echokv(T=8,aggregate=mean)" go by their declared alias, field
+# name or flag (kvlite.policies.base.Param). Spec parameters that set up the cell rather than the
+# policy: `h` (chunk, chunked mode's refresh interval; default evaluate.CHUNK), and
+# `window=question`, which protects the sample's closing question (every token from its start on;
+# or the policy's own recent window if that is longer), as kvpress's protocol never compresses it.
+RUN_PARAMS = {"h": "chunk", "chunk": "chunk"}
 QUESTION = "question"
 
 
@@ -120,18 +116,23 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     m = re.fullmatch(r"\s*([\w-]+)\s*(?:\((.*)\))?\s*", spec)
     if not m or m.group(1) not in POLICIES:
         raise KvliteError(f"unknown policy '{spec}': choose from {', '.join(POLICIES)} (parameters as name(T=8))")
+    declared = POLICIES[m.group(1)].params()
+    names = {**{p.flag.lstrip("-"): n for n, p in declared.items()}, **{n: n for n in declared},
+             **{p.alias: n for n, p in declared.items() if p.alias}}  # fmt: skip
     params: dict = {}
     for item in filter(None, (m.group(2) or "").split(",")):
-        key, eq, value = item.partition("=")
+        key, eq, value = (x.strip() for x in item.partition("="))
         if not eq:
             raise KvliteError(f"policy '{spec}': parameters are key=value, got '{item}'")
-        key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
-        value = value.strip()
-        params[key] = int(value) if re.fullmatch(r"-?\d+", value) else value
-    fields = {f.name for f in dataclasses.fields(POLICIES[m.group(1)])} | set(RUN_PARAMS)
-    bad = sorted(set(params) - fields)
-    if bad:
-        raise KvliteError(f"policy '{spec}' has no parameter {', '.join(bad)}")
+        if key in RUN_PARAMS:
+            params[RUN_PARAMS[key]] = Param("h", "chunk", minimum=1).parse(value)
+        elif names.get(key) == "window" and value == QUESTION:
+            params["window"] = QUESTION
+        elif key in names:
+            params[names[key]] = declared[names[key]].parse(value)
+        else:
+            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h"])
+            raise KvliteError(f"policy '{spec}' has no parameter {key}: its parameters are {known}")
     return m.group(1), params
 
 
@@ -146,8 +147,7 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
     tokens, for specs with window=question (None: unknown, and such a spec is refused)."""
     name, params = parse_spec(spec)
     params.setdefault("mode", "prefill-end")
-    for key in RUN_PARAMS:
-        params.pop(key, None)
+    params.pop("chunk", None)
     protect = params.get("window") == QUESTION
     if protect:
         if question_tokens is None:
@@ -164,7 +164,7 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
 
 def run_params(spec: str) -> dict:
     """The cell settings a spec carries (chunk h for chunked mode)."""
-    return {k: v for k, v in parse_spec(spec)[1].items() if k in RUN_PARAMS}
+    return {k: v for k, v in parse_spec(spec)[1].items() if k == "chunk"}
 
 
 def model_label(path: pathlib.Path) -> str:

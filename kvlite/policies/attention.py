@@ -7,10 +7,22 @@ import dataclasses
 
 import numpy as np
 
-from ..errors import KvliteError
 from ..scoring.aggregate import METHODS
-from .base import Policy
+from .base import Policy, param
 from .observe import Observation
+
+
+def observation_param(default: int):
+    return param(default, "--observation", "last prompt queries whose attention scores the cache", minimum=1)
+
+
+def lookahead_param(default: int):
+    return param(default, "--lookahead", "lookahead steps: future positions (dapq) or greedy workspace forward "
+                 "passes (laq, echokv)", short="-T", alias="T", minimum=1)  # fmt: skip
+
+
+def anchors_param(default: int):
+    return param(default, "--anchors", "last prompt queries rotated into proposals (S)", alias="S", minimum=1)
 
 
 @dataclasses.dataclass
@@ -18,15 +30,10 @@ class AttentionPolicy(Policy):
     """aggregation: how per-(layer, KV group) scores become one per token (mean, max, votes);
     pool_kernel: SnapKV's max-pool smoothing over neighbouring tokens (odd, 0 = none)."""
 
-    aggregation: str = "max"
-    pool_kernel: int = 7
-
-    def validate(self) -> None:
-        super().validate()
-        if self.aggregation not in METHODS:
-            raise KvliteError(f"--aggregate must be one of {', '.join(METHODS)}, got '{self.aggregation}'")
-        if self.pool_kernel < 0 or (self.pool_kernel > 1 and self.pool_kernel % 2 == 0):
-            raise KvliteError(f"--pool-kernel must be odd (or 0), got {self.pool_kernel}")
+    aggregation: str = param("max", "--aggregate", "per-(layer, KV group) scores to one per token",
+                             type=str, alias="aggregate", choices=METHODS)  # fmt: skip
+    pool_kernel: int = param(7, "--pool-kernel", "max-pool smoothing of attention scores (odd; 0 = none)",
+                             alias="kernel", minimum=0, odd=True)  # fmt: skip
 
     def scores_depend_on_budget(self) -> bool:
         return self.aggregation == "votes"  # votes count top-budget memberships
@@ -39,12 +46,7 @@ class AttentionPolicy(Policy):
 class LastQueries(AttentionPolicy):
     """Scores by the attention of the last `observation` queries of what was fed."""
 
-    observation: int = 32
-
-    def validate(self) -> None:
-        super().validate()
-        if self.observation <= 0:
-            raise KvliteError(f"the observation window must be positive, got {self.observation}")
+    observation: int = observation_param(32)
 
     def observed_tokens(self) -> int:
         return self.observation
@@ -93,13 +95,8 @@ class DapQ(AttentionPolicy):
     next `lookahead` positions (Eq. 2), pooled over the prompt."""
 
     name = "dapq"
-    lookahead: int = 16
-    anchors: int = 1
-
-    def validate(self) -> None:
-        super().validate()
-        if self.lookahead <= 0 or self.anchors <= 0:
-            raise KvliteError(f"-T and --anchors must be positive, got {self.lookahead} and {self.anchors}")
+    lookahead: int = lookahead_param(16)
+    anchors: int = anchors_param(1)
 
     def observed_tokens(self) -> int:
         return self.anchors

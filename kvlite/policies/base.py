@@ -1,11 +1,17 @@
 """What a policy is: what it observes and how it scores. Everything else (protection, selection,
 eviction, compaction, the lookahead mechanics) is shared and lives in kvlite.selection,
-kvlite.cache and kvlite.policies.observe."""
+kvlite.cache and kvlite.policies.observe.
+
+A policy's parameters are dataclass fields declared with `param(...)`: the flag, the eval-spec
+alias, the help and the allowed range live there, once. The CLI's flags, the eval-spec parser,
+validation and the parameter table in docs/policies.md are generated from them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -18,23 +24,97 @@ if TYPE_CHECKING:
 MODES = ("prefill-end", "chunked")
 
 
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One policy parameter as users see it. flag: the CLI spelling (--pool-kernel); short: a
+    llama.cpp-style short flag (-T); alias: the short name in eval specs (echokv(kernel=13));
+    minimum / choices / odd: the allowed values (odd: an odd number, or 0)."""
+
+    flag: str
+    help: str
+    type: type = int
+    short: str | None = None
+    alias: str | None = None
+    minimum: float | None = None
+    choices: tuple[str, ...] | None = None
+    odd: bool = False
+
+    @property
+    def spelling(self) -> str:
+        return self.short or self.flag
+
+    def check(self, value: Any) -> None:
+        """A one-line error naming the flag when value is out of range."""
+        if value is None:
+            return
+        if self.choices is not None:
+            if value not in self.choices:
+                raise KvliteError(f"{self.spelling} must be one of {', '.join(self.choices)}, got '{value}'")
+            return
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (self.type is int and not (math.isfinite(value) and value == int(value))):
+            raise KvliteError(f"{self.spelling} must be {'an integer' if self.type is int else 'a number'}, got "
+                              f"'{value}'")  # fmt: skip
+        if not math.isfinite(value):
+            raise KvliteError(f"{self.spelling} must be a finite number, got {value}")
+        if self.minimum is not None and value < self.minimum:
+            raise KvliteError(f"{self.spelling} must be >= {self.minimum:g}, got {value}")
+        if self.odd and value > 1 and value % 2 == 0:
+            raise KvliteError(f"{self.spelling} must be odd (or 0), got {value}")
+
+    def parse(self, text: str) -> Any:
+        """A value from text (an eval spec or a flag)."""
+        if self.type is str:
+            return text
+        try:
+            return self.type(text)
+        except ValueError:
+            raise KvliteError(
+                f"{self.spelling} wants {'an integer' if self.type is int else 'a number'}, got '{text}'"
+            ) from None
+
+
+def param(default: Any, flag: str, help: str, **kw: Any) -> Any:
+    """A policy field with its user-facing declaration (Param)."""
+    return dataclasses.field(default=default, metadata={"param": Param(flag, help, **kw)})
+
+
 @dataclasses.dataclass
 class Policy:
     """budget: cells kept on the live sequence after an eviction, protected ones included
     (None: keep everything). sinks: the first positions, always kept. window: the most recent
     resident tokens, always kept (0: only the last one)."""
 
-    budget: int | None = None
-    sinks: int = 4
-    window: int = 0
+    budget: int | None = param(None, "--budget", "KV cells kept after eviction, sinks included", minimum=1)
+    sinks: int = param(4, "--sinks", "first positions always kept (attention sinks)", minimum=0)
+    window: int = param(0, "--window", "most recent tokens always kept (0: h2o keeps budget/2, snapkv its "
+                        "observation window, the others the last token)", minimum=0)  # fmt: skip
     # "prefill-end": evict once, when the prompt (or a chat turn) has been read.
     # "chunked": refresh every chunk of prompt and every `chunk` generated tokens whenever the
     # cache exceeds the budget (the counter-causal paper's cache J), so memory is bounded by
     # budget + chunk whatever the prompt length.
-    mode: str = "prefill-end"
+    mode: str = param("prefill-end", "--mode", "evict once after the prompt, or refresh every chunk (prefill and "
+                      "decode)", type=str, choices=MODES)  # fmt: skip
 
     name: ClassVar[str] = ""
     refresh_every_token: ClassVar[bool] = False  # chunked: also refresh after every generated token
+
+    @classmethod
+    def params(cls) -> dict[str, Param]:
+        """Every parameter of this policy by field name. A subclass that only changes a default
+        (`pool_kernel: int = 0`) keeps the declaration of the class that introduced the field."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            for klass in cls.__mro__:
+                declared = getattr(klass, "__dataclass_fields__", {}).get(f.name)
+                if declared is not None and "param" in declared.metadata:
+                    out[f.name] = declared.metadata["param"]
+                    break
+        return out
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in dataclasses.fields(cls)}
 
     @property
     def continuous(self) -> bool:
@@ -52,12 +132,11 @@ class Policy:
         return 0
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise KvliteError(f"--mode must be one of {', '.join(MODES)}, got '{self.mode}'")
+        """Every declared range, then what relates parameters to each other (subclasses add theirs)."""
+        for name, p in self.params().items():
+            p.check(getattr(self, name))
         if self.continuous and self.budget is None and self.name != "full":
             raise KvliteError("chunked mode needs a cache size: --cache J (or --budget)")
-        if self.sinks < 0 or self.window < 0:
-            raise KvliteError(f"--sinks and --window must be >= 0, got {self.sinks} and {self.window}")
         if self.budget is None:
             return
         if self.budget <= self.sinks + max(self.window, 1):

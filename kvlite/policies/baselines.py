@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 
+from ..errors import KvliteError
 from .base import Policy
 from .observe import Observation
 
@@ -17,7 +18,9 @@ class FullKV(Policy):
     name = "full"
 
     def validate(self) -> None:
-        self.budget, self.mode = None, "prefill-end"
+        if self.budget is not None or self.mode != "prefill-end":
+            raise KvliteError("--policy full keeps every cell: it takes no --budget, --cache or --mode chunked "
+                              "(for a bounded cache use e.g. --policy streaming --cache 512)")  # fmt: skip
         super().validate()
 
     def scores(self, obs: Observation) -> np.ndarray:

@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 
 from ..errors import KvliteError
-from .attention import AttentionPolicy
+from .attention import AttentionPolicy, anchors_param, lookahead_param, observation_param
+from .base import param
 from .observe import Observation
 
 
@@ -17,13 +18,11 @@ from .observe import Observation
 class LookaheadPolicy(AttentionPolicy):
     """lookahead (T): greedy workspace steps; workspace (B1): prompt tokens the workspace views."""
 
-    lookahead: int = 16
-    workspace: int = 1024
+    lookahead: int = lookahead_param(16)
+    workspace: int = param(1024, "--workspace", "prompt tokens a lookahead workspace views (B1)", alias="B1", minimum=1)
 
     def validate(self) -> None:
         super().validate()
-        if self.lookahead <= 0:
-            raise KvliteError(f"-T must be positive, got {self.lookahead}")
         if self.budget is not None and self.workspace < self.budget:
             raise KvliteError(f"--workspace {self.workspace} is smaller than --budget {self.budget}")
 
@@ -37,7 +36,7 @@ class LAQ(LookaheadPolicy):
     then the final top-B by the lookahead queries over the whole prompt."""
 
     name = "laq"
-    observation: int = 32
+    observation: int = observation_param(32)
 
     def observed_tokens(self) -> int:
         return self.observation
@@ -65,7 +64,7 @@ class EchoKV(LookaheadPolicy):
     # paper's 1: with a chat template the last prompt token is a template marker whose query does
     # not point at the evidence (W1 held 21% of it with S=1, 83% with S=16, LAQ's W 83%). S=1 tied
     # on accuracy; the search's tie-break (lower KL) chose 16.
-    anchors: int = 16
+    anchors: int = anchors_param(16)
     lookahead: int = 24
     pool_kernel: int = 13
     workspace: int = 512
@@ -74,8 +73,6 @@ class EchoKV(LookaheadPolicy):
         super().validate()
         if self.lookahead % 2:
             raise KvliteError(f"EchoKV splits -T into two rounds: it must be even, got {self.lookahead}")
-        if self.anchors <= 0:
-            raise KvliteError(f"--anchors must be positive, got {self.anchors}")
 
     def observed_tokens(self) -> int:
         return self.anchors

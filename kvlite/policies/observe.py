@@ -1,8 +1,9 @@
 """What a policy may look at when it scores the live cache, and the lookahead mechanics written once.
 
-An Observation is made by the runner at an eviction point. Each piece (cached keys, the last
-prompt queries, pooled attention, counter-causal logits, lookahead queries) is computed when a
-policy first asks for it, from what llama.cpp holds.
+An Observation is made at an eviction point from explicit parts: the cache, the model's facts,
+the queries captured while the last tokens were fed, and (for lookahead) the context and its
+capture. Each piece (cached keys, pooled attention, proposals, lookahead queries) is computed when
+a policy first asks for it, from what llama.cpp holds.
 """
 
 from __future__ import annotations
@@ -12,21 +13,33 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..engine import Capture
+from ..engine import Capture, Context
 from ..errors import KvliteError
 from ..native import native
 from ..scoring.aggregate import aggregate
 from ..scoring.proposals import proposals
 
 if TYPE_CHECKING:
-    from ..runner import Runner
+    from ..cache import KVCache
+    from ..models import ModelInfo
 
 
 class Observation:
-    def __init__(self, runner: Runner):
-        self.runner = runner
-        self.cache = runner.cache
-        self.info = runner.model.info
+    """cache: the live cache; info: the model's facts; observed: the queries of the last tokens fed,
+    by kind ("q", "q_pre") [L, n, H, D]; ctx and capture: where a lookahead decodes and what it
+    captures (None when the policy does not look ahead)."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        info: ModelInfo,
+        observed: dict[str, np.ndarray] | None = None,
+        ctx: Context | None = None,
+        capture: Capture | None = None,
+    ):
+        self.cache, self.info = cache, info
+        self.observed = observed or {}
+        self.ctx, self.capture = ctx, capture
         self.positions = self.cache.positions()  # resident live positions, ascending: what scores index
         self.workspace_forward_passes = 0
         self.next_logits: np.ndarray | None = None  # the prompt's own, saved before a lookahead overwrites them
@@ -45,7 +58,7 @@ class Observation:
 
     def last_queries(self, n: int, kind: str = "q") -> np.ndarray:
         """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D]."""
-        rows = self.runner.observed.get(kind)
+        rows = self.observed.get(kind)
         if rows is None or rows.shape[1] < n:
             raise KvliteError(f"the runner did not capture {kind} of the last {n} tokens")
         return np.ascontiguousarray(rows[:, -n:].transpose(0, 2, 1, 3))
@@ -78,13 +91,12 @@ class Lookahead:
     RoPE query of every decoded token. The live sequence is untouched; `close` drops it all."""
 
     def __init__(self, obs: Observation, prompt_view: np.ndarray):
+        if obs.ctx is None or obs.capture is None or not obs.capture.wants("q", 0):
+            raise KvliteError("lookahead needs a context capturing queries")
         self.obs = obs
-        runner = obs.runner
-        if runner.capture is None or not runner.capture.wants("q", 0):
-            raise KvliteError("lookahead needs a runner capturing queries")
-        self.cache = runner.cache
-        self.capture: Capture = runner.capture
-        self.ctx = runner.ctx
+        self.cache = obs.cache
+        self.capture: Capture = obs.capture
+        self.ctx: Context = obs.ctx
         last = self.cache.n_pos - 1
         self.cache.workspace_create(sorted(set(np.asarray(prompt_view).tolist()) | {last}))
         obs.workspace_views.append(self.cache.positions(1))

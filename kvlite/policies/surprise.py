@@ -8,9 +8,8 @@ import functools
 
 import numpy as np
 
-from ..errors import KvliteError
 from ..scoring.surprise import SCORES, SurpriseModel, cache_contents, surprise
-from .base import Policy
+from .base import Policy, param
 from .observe import Observation
 
 
@@ -27,15 +26,9 @@ class CounterCausal(Policy):
     name = "cc"
     variant = "full"
     blind = False
-    score: str = "raw"
-    min_gap: int = 0
-
-    def validate(self) -> None:
-        super().validate()
-        if self.score not in SCORES:
-            raise KvliteError(f"--surprise must be one of {', '.join(SCORES)}, got '{self.score}'")
-        if self.min_gap < 0:
-            raise KvliteError(f"--min-gap must be >= 0, got {self.min_gap}")
+    score: str = param("raw", "--surprise", "raw (the paper's logit of x_i) or logprob (kvlite's normalized one)",
+                       type=str, alias="surprise", choices=SCORES)  # fmt: skip
+    min_gap: int = param(0, "--min-gap", "nearest later tokens a token may not attend to", minimum=0)
 
     def scores(self, obs: Observation) -> np.ndarray:
         model = _surprise_model(obs.info)

@@ -29,3 +29,9 @@ def attn_pool(
     if pool_kernel > 1:
         s = torch.nn.functional.max_pool1d(s, pool_kernel, stride=1, padding=pool_kernel // 2)
     return s
+
+
+def knorm(k: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
+    """K-norm's keep-score (Devoto et al., 2024): minus the L2 norm of each token's key, averaged
+    over layers from first_layer and KV heads. k: [n_layer, n_head_kv, n_keys, D]; returns [n_keys]."""
+    return -torch.linalg.vector_norm(k[first_layer:], dim=-1).mean(dim=(0, 1))

@@ -9,26 +9,16 @@ import numpy as np
 
 from ..errors import KvliteError
 from ..models import ModelInfo
-from ..native import native
-
-GGML_ROPE_MODE = {"norm": 0, "neox": 2}
+from ..native import RopeParams, native
 
 
 def rope(info: ModelInfo, x: np.ndarray, positions: Sequence[int]) -> np.ndarray:
     """Rotate pre-RoPE vectors x [n, heads, head_dim] to positions [n] exactly as llama.cpp does."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    pos = np.ascontiguousarray(positions, dtype=np.int32)
+    x = np.asarray(x, dtype=np.float32)
+    pos = np.asarray(positions, dtype=np.int32)
     if x.ndim != 3 or x.shape[2] != info.head_dim or pos.shape != (x.shape[0],):
         raise KvliteError(f"rope wants x [n, heads, {info.head_dim}] and n positions, got {x.shape} and {pos.shape}")
-    out = np.empty_like(x)
-    rc = native().lib.kvl_rope(
-        native().ctx, x.ctypes.data, pos.ctypes.data, x.shape[0], x.shape[1], x.shape[2], info.rope_dims,
-        GGML_ROPE_MODE[info.rope_type], info.rope_n_ctx_orig, info.rope_base, info.rope_freq_scale,
-        info.yarn_ext_factor, info.yarn_attn_factor, info.yarn_beta_fast, info.yarn_beta_slow, out.ctypes.data,
-    )  # fmt: skip
-    if rc != 0:
-        raise KvliteError(f"native rope failed (status {rc}) for x{x.shape}")
-    return out
+    return native().rope(RopeParams.of(info), x, pos)
 
 
 def proposals(info: ModelInfo, anchors: np.ndarray, positions: Sequence[int]) -> np.ndarray:

@@ -17,23 +17,10 @@ import numpy as np
 
 from ..errors import KvliteError
 from ..models import ModelInfo
-from ..native import GGML_TYPE_F16, GGML_TYPE_F32, HParams, native
-from .proposals import GGML_ROPE_MODE
+from ..native import HParams, native
 
 VARIANTS = ("full", "fast")
 SCORES = ("raw", "logprob")
-_ARCH_CODE = {"llama": 0, "qwen2": 1}
-
-
-def hparams(info: ModelInfo) -> HParams:
-    return HParams(
-        arch=_ARCH_CODE[info.arch], n_layer=info.n_layer, n_embd=info.n_embd, n_head=info.n_head,
-        n_head_kv=info.n_head_kv, head_dim=info.head_dim, n_vocab=info.n_vocab, rms_eps=info.rms_eps,
-        rope_mode=GGML_ROPE_MODE[info.rope_type], rope_dims=info.rope_dims, rope_n_ctx_orig=info.rope_n_ctx_orig,
-        rope_base=info.rope_base, rope_freq_scale=info.rope_freq_scale, yarn_ext_factor=info.yarn_ext_factor,
-        yarn_attn_factor=info.yarn_attn_factor, yarn_beta_fast=info.yarn_beta_fast,
-        yarn_beta_slow=info.yarn_beta_slow,
-    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -52,16 +39,11 @@ class SurpriseModel:
     """A model's weights mapped for counter-causal passes (one per GGUF file)."""
 
     def __init__(self, info: ModelInfo):
-        if info.arch not in _ARCH_CODE:
-            raise KvliteError(f"counter-causal scoring supports {', '.join(_ARCH_CODE)}, not '{info.arch}'")
         self.info = info
         self._native = native()
-        ptr = self._native.lib.kvl_model_load(info.path.encode(), hparams(info))
-        if not ptr:
-            raise KvliteError(f"kvlite's native library could not map the weights of {info.path}")
-        self.ptr = ptr
+        self.ptr = self._native.model_load(info.path, HParams.of(info))
         self._neutral: np.ndarray | None = None
-        self._finalizer = weakref.finalize(self, self._native.lib.kvl_model_free, ptr)
+        self._finalizer = weakref.finalize(self, self._native.model_free, self.ptr)
 
     def neutral_input(self) -> np.ndarray:
         """The blind variant's input row: the mean of the token embedding matrix (dequantized from
@@ -106,9 +88,6 @@ class SurpriseModel:
         for name, a in (("k", contents.k), ("v", contents.v)):
             if a.shape != (n_used, n, n_kv):
                 raise KvliteError(f"counter-causal {variant}: {name} has shape {a.shape}, want {(n_used, n, n_kv)}")
-        kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.float32): GGML_TYPE_F32}.get(contents.k.dtype)
-        if kv_type is None or contents.v.dtype != contents.k.dtype:
-            raise KvliteError(f"counter-causal pass wants float16 or float32 K/V, got {contents.k.dtype}")
         hidden = None
         if blind:
             if first > 0:
@@ -117,21 +96,13 @@ class SurpriseModel:
         elif first > 0:
             if contents.hidden is None or contents.hidden.shape != (n, info.n_embd):
                 raise KvliteError(f"counter-causal fast needs the hidden states [{n}, {info.n_embd}] of every cell")
-            hidden = np.ascontiguousarray(contents.hidden[::-1], dtype=np.float32)
+            hidden = contents.hidden[::-1]
         # The native pass takes cells in descending position order: "only later positions" is then
         # ggml's ordinary causal mask.
-        tokens = np.ascontiguousarray(contents.tokens[::-1], dtype=np.int32)
-        positions = np.ascontiguousarray(pos[::-1], dtype=np.int32)
-        k = np.ascontiguousarray(contents.k[:, ::-1])
-        v = np.ascontiguousarray(contents.v[:, ::-1])
-        out = np.empty(n, np.float32)
-        rc = self._native.lib.kvl_counter_causal(
-            self._native.ctx, self.ptr, first, int(score == "logprob"), min_gap, max(block_rows, 0), n,
-            tokens.ctypes.data, positions.ctypes.data, k.ctypes.data, v.ctypes.data, kv_type,
-            None if hidden is None else hidden.ctypes.data, out.ctypes.data,
+        out = self._native.counter_causal(
+            self.ptr, first, score == "logprob", min_gap, block_rows, contents.tokens[::-1], pos[::-1],
+            contents.k[:, ::-1], contents.v[:, ::-1], hidden,
         )  # fmt: skip
-        if rc != 0:
-            raise KvliteError(f"native counter-causal pass failed (status {rc}) over {n} cells")
         out = out[::-1].copy()
         out[n - 1 - min_gap :] = np.nan
         return out
