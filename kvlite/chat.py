@@ -45,10 +45,14 @@ def run_chat(model, policy: Policy, settings: RunSettings, n_predict: int, syste
         except KeyboardInterrupt:
             print(file=sys.stderr)
             break
-        except UnicodeDecodeError:
+        except UnicodeDecodeError:  # stdin with strict decoding
+            line = "\udcff"
+        text = line.strip()
+        try:
+            text.encode()
+        except UnicodeEncodeError:  # stdin with surrogateescape (the usual)
             print("kvlite: error: that line is not valid UTF-8: type it again", file=sys.stderr)
             continue
-        text = line.strip()
         if not text:
             continue
         if text in ("/quit", "/exit"):

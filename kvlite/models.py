@@ -137,8 +137,11 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
         raise KvliteError(f"model file not found: {path}")
     if not path.is_file():
         raise KvliteError(f"model path is not a file: {path}")
-    header = read_header(str(path))
-    size = path.stat().st_size
+    try:
+        header = read_header(str(path))
+        size = path.stat().st_size
+    except OSError as e:
+        raise KvliteError(f"cannot read model file {path}: {e.strerror or e}") from None
     end = max((header.data_start + t.offset + tensor_nbytes(t) for t in header.tensors), default=0)
     if end > size:
         raise KvliteError(f"{path} is truncated: tensor data ends at byte {end}, the file has {size}")
@@ -146,6 +149,13 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise KvliteError(f"unsupported architecture '{arch}' in {path}: kvlite supports {', '.join(SUPPORTED_ARCHS)}")
+    try:
+        return _model_info(path, meta, arch)
+    except (KeyError, TypeError, ValueError) as e:
+        raise KvliteError(f"{path} has incomplete or malformed GGUF metadata ({e})") from None
+
+
+def _model_info(path: pathlib.Path, meta: dict, arch: str) -> ModelInfo:
     n_embd = int(meta[f"{arch}.embedding_length"])
     n_head = int(meta[f"{arch}.attention.head_count"])
     return ModelInfo(

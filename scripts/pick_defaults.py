@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlite.eval import tune  # noqa: E402
-from kvlite.eval.grid import Grid, GridConfig, read_records  # noqa: E402
+from kvlite.eval.grid import Grid, GridConfig  # noqa: E402
+from kvlite.eval.records import read_records  # noqa: E402
 from kvlite.progress import progress_bar  # noqa: E402
 
 SPACE = {

@@ -12,7 +12,8 @@ from kvlite.engine import SamplingParams
 from kvlite.errors import KvliteError
 from kvlite.eval import tasks
 from kvlite.eval.evaluate import SampleRun, tokenize
-from kvlite.eval.grid import Grid, GridConfig, parse_spec, read_records, split_policies
+from kvlite.eval.grid import Grid, GridConfig, parse_spec, split_policies
+from kvlite.eval.records import read_records
 from kvlite.policies import EchoKV, SnapKV
 from kvlite.runner import Runner, RunSettings
 
@@ -105,6 +106,31 @@ def test_resumed_grid_equals_uninterrupted(tiny_paths, tmp_path, uninterrupted):
     Grid(grid_cfg(tiny_paths, tmp_path)).run()
     assert sum(1 for _ in (tmp_path / "samples.jsonl").open()) == 21  # nothing finished was redone
     assert rows_without_time(tmp_path) == rows_without_time(uninterrupted)
+
+
+def test_partial_last_line_is_repaired_and_its_cell_redone(tiny_paths, tmp_path, uninterrupted):
+    """A kill mid-write leaves half a record: the next run drops it, redoes that cell, and the
+    records equal an uninterrupted run's."""
+    Grid(grid_cfg(tiny_paths, tmp_path)).run()
+    path = tmp_path / "samples.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # the last record cut in half
+    logged = []
+    Grid(grid_cfg(tiny_paths, tmp_path), log=logged.append).run()
+    assert any("dropped a partial last line" in m for m in logged)
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+    assert sum(1 for _ in path.open()) == 21
+    assert rows_without_time(tmp_path) == rows_without_time(uninterrupted)
+
+
+def test_summary_of_full_only_is_a_table(tiny_paths, tmp_path):
+    from kvlite.eval import report
+
+    Grid(grid_cfg(tiny_paths, tmp_path, policies=["full"])).run()
+    md = report.to_markdown(report.summarize(read_records(tmp_path)))
+    table = [line for line in md.splitlines() if line.startswith("|")]
+    assert table[0] == "| policy | score |" and table[1] == "|---|---|" and table[2].startswith("| full | ")
+    assert all(line.count("|") == 3 for line in table)
 
 
 def test_shards_merged_equal_one_run(tiny_paths, tmp_path, uninterrupted):

@@ -116,7 +116,10 @@ class Model:
         tmpl = self.chat_template
         if tmpl is None:
             raise KvliteError(f"{self.path.name} has no chat template: use `kvlite generate` instead")
-        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        try:
+            keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        except UnicodeEncodeError:
+            raise KvliteError("a message is not valid UTF-8") from None
         arr = (L.llama_chat_message * len(keep))(*[L.llama_chat_message(r, c) for r, c in keep])
         size = 256 + 2 * sum(len(c) + len(r) for r, c in keep)
         buf = ctypes.create_string_buffer(size)

@@ -77,7 +77,8 @@ def add_parser(sub) -> None:
 def cmd_eval(args) -> int:
     from ..progress import progress_bar
     from . import report
-    from .grid import Grid, GridConfig, read_records
+    from .grid import Grid, GridConfig
+    from .records import prepare_out, read_records, write_atomic
 
     overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
                                                "n", "seed", "split", "depth", "policies", "budgets", "n_predict",
@@ -87,19 +88,17 @@ def cmd_eval(args) -> int:
     out = cfg.out_dir
     failures = 0
     if args.merge:
-        out.mkdir(parents=True, exist_ok=True)
         for d in map(pathlib.Path, args.merge):
             if not d.is_dir():
-                raise KvliteError(f"not a directory: {d}")
+                raise KvliteError(f"--merge: not a directory: {d}")
+        prepare_out(out)
         merged = {}
         for d in map(pathlib.Path, args.merge):
             for r in read_records(d):
                 merged[(r["model"], r["task"], r["sample"], r["policy"], r["budget"])] = r
             for err in d.glob("errors*.jsonl"):
                 shutil.copyfile(err, out / f"errors.{d.name}.jsonl")
-        with (out / "samples.jsonl").open("w") as f:
-            for r in merged.values():
-                f.write(json.dumps(r) + "\n")
+        write_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in merged.values()))
     else:
         grid = Grid(cfg)
         with progress_bar(grid.count_todo(), "eval", unit="cell") as bar:

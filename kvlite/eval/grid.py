@@ -21,6 +21,7 @@ from ..models import resolve_model
 from ..policies import POLICIES, FullKV, Param, Policy, make_policy
 from . import longbench, tasks
 from .evaluate import SampleRun, tokenize
+from .records import prepare_out, read_records, record_key, repair_tail
 
 # Policy parameters in specs such as "echokv(T=8,aggregate=mean)" go by their declared alias, field
 # name or flag (kvlite.policies.base.Param). Spec parameters that set up the cell rather than the
@@ -85,6 +86,8 @@ class GridConfig:
             parse_spec(spec)
         if any(b <= 0 for b in self.budgets):
             raise KvliteError(f"budgets must be positive, got {self.budgets}")
+        if any(n < tasks.MIN_LENGTH for n in self.lengths):
+            raise KvliteError(f"--lengths must be {tasks.MIN_LENGTH} tokens or more, got {self.lengths}")
         if self.n < 0:
             raise KvliteError(f"n must be >= 0, got {self.n}")
         if self.split not in tasks.SPLITS:
@@ -98,6 +101,8 @@ class GridConfig:
         for path in self.data:
             if not pathlib.Path(path).is_file():
                 raise KvliteError(f"data file not found: {path}")
+        if pathlib.Path(self.out).exists() and not pathlib.Path(self.out).is_dir():
+            raise KvliteError(f"--out {self.out} is a file: name a directory (new or from an earlier run)")
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -171,23 +176,6 @@ def model_label(path: pathlib.Path) -> str:
     return path.stem
 
 
-def record_key(r: dict) -> tuple:
-    return (r["model"], r["task"], r["sample"], r["policy"], r["budget"])
-
-
-def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dict]:
-    """Every record in a directory's sample files (a truncated last line, from a kill, is skipped)."""
-    records: dict[tuple, dict] = {}
-    for path in sorted(out.glob(pattern)):
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            records[record_key(r)] = r
-    return list(records.values())
-
-
 def _message(e: Exception) -> str:
     """Our errors say what to do; anything else is named by its type."""
     return str(e) if isinstance(e, KvliteError) else f"{type(e).__name__}: {e}"
@@ -241,6 +229,8 @@ class Grid:
         self._append(self.errors_path, {**where, "error": message})
 
     def _append(self, path: pathlib.Path, record: dict) -> None:
+        """One whole line per record, flushed: a kill leaves at most a partial last line, which the
+        next run drops (repair_tail) and whose cell it runs again."""
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
@@ -248,7 +238,12 @@ class Grid:
     def run(self, progress=None) -> None:
         """Run every unfinished cell of this shard. progress(n) is called per cell done."""
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        prepare_out(self.out)
+        for path in (self.samples_path, self.errors_path):
+            if repair_tail(path):
+                self.log(
+                    f"kvlite eval: dropped a partial last line of {path} (an interrupted write); its cell runs again"
+                )
         done = {record_key(r) for r in read_records(self.out)}
         for model_arg in cfg.models:
             path = resolve_model(None if model_arg == "default" else model_arg)
@@ -315,8 +310,7 @@ class Grid:
         cfg = self.cfg
         n_data = 0
         for path in cfg.data:
-            with open(path, encoding="utf-8") as f:
-                rows = sum(1 for line in f if line.strip())
+            rows = sum(1 for line in pathlib.Path(path).read_bytes().split(b"\n") if line.strip())
             n_data += min(rows, cfg.limit) if cfg.limit else rows
         n_samples = n_data + len(cfg.tasks) * len(cfg.lengths) * cfg.n
         mine = len(range(self.shard - 1, n_samples, self.n_shards))

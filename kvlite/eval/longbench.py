@@ -114,33 +114,39 @@ def load(path: str | pathlib.Path, dataset: str | None = None, metric: str | Non
     if metric is not None and metric not in METRICS:
         raise KvliteError(f"unknown metric '{metric}': choose from {', '.join(METRICS)}")
     samples, errors = [], []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise KvliteError(f"cannot read data file {path}: {e.strerror or e}") from None
+    for lineno, raw in enumerate(lines, 1):
+        if raw.strip():
             try:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise KvliteError(f"not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise KvliteError("a line must be a JSON object")
-                missing = [k for k in ("context", "input", "answers") if k not in row]
-                if missing:
-                    raise KvliteError(f"missing field(s) {', '.join(missing)}")
-                name = _dataset_of(row, path, dataset)
-                m = metric or row.get("metric") or METRIC[name]
-                if m not in METRICS:
-                    raise KvliteError(f"unknown metric '{m}': choose from {', '.join(METRICS)}")
-                answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
-                prompt = PROMPTS[name].format(context=row["context"], input=row["input"])
-                samples.append(
-                    Sample(name, lineno, prompt, [str(a) for a in answers], m, MAX_NEW_TOKENS[name],
-                           chat=name not in NO_CHAT, all_classes=row.get("all_classes"))
-                )  # fmt: skip
+                samples.append(_sample(raw, lineno, path, dataset, metric))
             except KvliteError as e:
                 errors.append(f"{path}:{lineno}: {e}")
     return samples, errors
+
+
+def _sample(raw: bytes, lineno: int, path: pathlib.Path, dataset: str | None, metric: str | None) -> Sample:
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise KvliteError(f"not valid UTF-8 (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise KvliteError(f"not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise KvliteError("a line must be a JSON object")
+    missing = [k for k in ("context", "input", "answers") if k not in row]
+    if missing:
+        raise KvliteError(f"missing field(s) {', '.join(missing)}")
+    name = _dataset_of(row, path, dataset)
+    m = metric or row.get("metric") or METRIC[name]
+    if m not in METRICS:
+        raise KvliteError(f"unknown metric '{m}': choose from {', '.join(METRICS)}")
+    answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
+    prompt = PROMPTS[name].format(context=row["context"], input=row["input"])
+    return Sample(name, lineno, prompt, [str(a) for a in answers], m, MAX_NEW_TOKENS[name],
+                  chat=name not in NO_CHAT, all_classes=row.get("all_classes"))  # fmt: skip
 
 
 def postprocess(sample: Sample, prediction: str) -> str:

@@ -88,6 +88,9 @@ def to_markdown(rows: list[dict], value: str = "score", digits: int = 2) -> str:
         full = next((r for r in rs if r["policy"] == "full"), None)
         n = max(r["n"] for r in rs)
         out.append(f"**{model} · {task}** ({value}, n = {n}; full cache: {_cell(full, value, digits)})\n")
+        if not budgets:  # only the full cache ran
+            out += ["| policy | score |", "|---|---|", f"| full | {_cell(full, value, digits)} |", ""]
+            continue
         out.append("| policy | " + " | ".join(str(b) for b in budgets) + " |")
         out.append("|---|" + "---|" * len(budgets))
         cells = {(r["policy"], r["budget"]): r for r in rs}
@@ -157,9 +160,11 @@ def compare_markdown(
 
 
 def write_summary(out: pathlib.Path, records: list[dict]) -> list[dict]:
+    from .records import write_atomic
+
     rows = summarize(records)
-    (out / "summary.csv").write_text(to_csv(rows))
-    (out / "summary.md").write_text(to_markdown(rows) + "\n")
+    write_atomic(out / "summary.csv", to_csv(rows))
+    write_atomic(out / "summary.md", to_markdown(rows) + "\n")
     return rows
 
 

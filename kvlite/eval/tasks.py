@@ -255,6 +255,9 @@ def task_label(task: str, length: int, split: str = "tune") -> str:
     return f"{task}/{length}" if split == "tune" else f"{split}:{task}/{length}"
 
 
+MIN_LENGTH = 256  # prompt tokens: room for a haystack around the facts and the question
+
+
 def generate(
     task: str,
     n: int,
@@ -272,8 +275,8 @@ def generate(
         raise KvliteError(f"unknown task '{task}': choose from {', '.join(TASKS)}")
     if split not in PHRASINGS:
         raise KvliteError(f"unknown split '{split}': choose from {', '.join(PHRASINGS)}")
-    if length < 256:
-        raise KvliteError(f"task length {length} is too short for a haystack: use 256 tokens or more")
+    if length < MIN_LENGTH:
+        raise KvliteError(f"task length {length} is too short for a haystack: use {MIN_LENGTH} tokens or more")
     if depth is not None and not 0 <= depth <= 1:
         raise KvliteError(f"--depth must be in [0, 1], got {depth}")
     out = []
