@@ -25,7 +25,22 @@ from kvlite.engine import SamplingParams  # noqa: E402
 from kvlite.policies import make_policy  # noqa: E402
 from kvlite.runner import RunSettings  # noqa: E402
 
-WORDS = "river lamp copper seven garden quiet number orbit violet table shadow engine harbor pencil".split()
+WORDS = [
+    "river",
+    "lamp",
+    "copper",
+    "seven",
+    "garden",
+    "quiet",
+    "number",
+    "orbit",
+    "violet",
+    "table",
+    "shadow",
+    "engine",
+    "harbor",
+    "pencil",
+]
 
 
 def rss_mb() -> float:
@@ -68,9 +83,9 @@ def main() -> int:
         check(conv, bound)
         if turn % 50 == 0 or turn == 1:
             samples.append((turn, rss_mb()))
-            c = conv.runner.cache
+            c, elapsed = conv.runner.cache, time.perf_counter() - t0
             print(f"turn {turn:5d}  rss {samples[-1][1]:7.1f} MB  positions {c.n_pos:6d}  resident "
-                  f"{c.n_resident:4d}  evicted {c.evicted:6d}  {time.perf_counter() - t0:6.0f} s", flush=True)  # fmt: skip
+                  f"{c.n_resident:4d}  evicted {c.evicted:6d}  {elapsed:6.0f} s", flush=True)  # fmt: skip
     base = next((mb for turn, mb in samples if turn >= 50), samples[0][1])  # after warm-up
     peak = max(mb for _, mb in samples)
     growth = peak / base - 1

@@ -76,29 +76,61 @@ CASES = {
     "utf8 in -p": (["generate", "-m", TINY, "-p", b"\xff\xfeabc"], None, None, "-p text is not valid UTF-8"),
     "unreadable model": (["info", "-m", "{secret}"], None, NO_DAC, "Permission denied"),
     "unreadable model, generate": (["generate", "-m", "{secret}", "-p", "hi"], None, NO_DAC, "Permission denied"),
-    "eval --out is a file": (["eval", "-m", TINY, "--out", "{a_file}", "--lengths", "300", "-n", "1"], None, None,
-                             "is a file"),  # fmt: skip
-    "eval --out unwritable": (["eval", "-m", TINY, "--out", "{locked}", "--lengths", "300", "-n", "1"], None, NO_DAC,
-                              "cannot write to --out"),  # fmt: skip
+    "eval --out is a file": (
+        ["eval", "-m", TINY, "--out", "{a_file}", "--lengths", "300", "-n", "1"],
+        None,
+        None,
+        "is a file",
+    ),  # fmt: skip
+    "eval --out unwritable": (
+        ["eval", "-m", TINY, "--out", "{locked}", "--lengths", "300", "-n", "1"],
+        None,
+        NO_DAC,
+        "cannot write to --out",
+    ),  # fmt: skip
     "--temp nan": (["generate", "-m", TINY, "-p", "hi", "--temp", "nan"], None, None, "--temp must be a finite"),
     "--temp inf": (["generate", "-m", TINY, "-p", "hi", "--temp", "inf"], None, None, "--temp must be a finite"),
     "-t -2": (["generate", "-m", TINY, "-p", "hi", "-t", "-2"], None, None, "-t must be a positive"),
     "-t 0": (["generate", "-m", TINY, "-p", "hi", "-t", "0"], None, None, "-t must be a positive"),
     "-c 4": (["generate", "-m", TINY, "-p", "hi", "-c", "4"], None, None, "at least 256 cells"),
     "-c -1": (["generate", "-m", TINY, "-p", "hi", "-c", "-1"], None, None, "-c must be >= 0"),
-    "full --mode chunked": (["generate", "-m", TINY, "-p", "hi", "--mode", "chunked"], None, None,
-                            "--policy full keeps every cell"),  # fmt: skip
-    "full --budget": (["generate", "-m", TINY, "-p", "hi", "--budget", "64"], None, None,
-                      "--policy full keeps every cell"),  # fmt: skip
-    "param of another policy": (["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "64", "-T",
-                                 "8"], None, None, "policy snapkv has no parameter -T"),  # fmt: skip
-    "--pool-kernel 4": (["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "64",
-                         "--pool-kernel", "4"], None, None, "--pool-kernel must be odd"),  # fmt: skip
+    "full --mode chunked": (
+        ["generate", "-m", TINY, "-p", "hi", "--mode", "chunked"],
+        None,
+        None,
+        "--policy full keeps every cell",
+    ),  # fmt: skip
+    "full --budget": (
+        ["generate", "-m", TINY, "-p", "hi", "--budget", "64"],
+        None,
+        None,
+        "--policy full keeps every cell",
+    ),  # fmt: skip
+    "param of another policy": (
+        ["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "64", "-T", "8"],
+        None,
+        None,
+        "policy snapkv has no parameter -T",
+    ),  # fmt: skip
+    "--pool-kernel 4": (
+        ["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "64", "--pool-kernel", "4"],
+        None,
+        None,
+        "--pool-kernel must be odd",
+    ),  # fmt: skip
     "not a number": (["generate", "-m", TINY, "-p", "hi", "--top-p", "x"], None, None, "invalid float value"),
-    "merge a missing dir": (["eval", "--merge", "{missing}", "--out", "{missing}-merged"], None, None,
-                            "--merge: not a directory"),  # fmt: skip
-    "--lengths 0": (["eval", "-m", TINY, "--lengths", "0", "--out", "{missing}-l0"], None, None,
-                    "--lengths must be 256"),  # fmt: skip
+    "merge a missing dir": (
+        ["eval", "--merge", "{missing}", "--out", "{missing}-merged"],
+        None,
+        None,
+        "--merge: not a directory",
+    ),  # fmt: skip
+    "--lengths 0": (
+        ["eval", "-m", TINY, "--lengths", "0", "--out", "{missing}-l0"],
+        None,
+        None,
+        "--lengths must be 256",
+    ),  # fmt: skip
 }
 
 

@@ -4,9 +4,9 @@ export, not against kvlite's bookkeeping)."""
 
 from __future__ import annotations
 
-import numpy as np
 import os
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
