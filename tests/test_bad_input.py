@@ -92,6 +92,7 @@ CASES = {
     "--temp inf": (["generate", "-m", TINY, "-p", "hi", "--temp", "inf"], None, None, "--temp must be a finite"),
     "-t -2": (["generate", "-m", TINY, "-p", "hi", "-t", "-2"], None, None, "-t must be a positive"),
     "-t 0": (["generate", "-m", TINY, "-p", "hi", "-t", "0"], None, None, "-t must be a positive"),
+    "eval -t -2": (["eval", "-m", TINY, "-t", "-2", "--out", "{missing}-t"], None, None, "-t must be a positive"),
     "-c 4": (["generate", "-m", TINY, "-p", "hi", "-c", "4"], None, None, "at least 256 cells"),
     "-c -1": (["generate", "-m", TINY, "-p", "hi", "-c", "-1"], None, None, "-c must be >= 0"),
     "full --mode chunked": (

@@ -90,6 +90,8 @@ class GridConfig:
             raise KvliteError(f"--lengths must be {tasks.MIN_LENGTH} tokens or more, got {self.lengths}")
         if self.n < 0:
             raise KvliteError(f"n must be >= 0, got {self.n}")
+        if self.threads is not None and self.threads <= 0:
+            raise KvliteError(f"-t must be a positive number of threads, got {self.threads}")
         if self.split not in tasks.SPLITS:
             raise KvliteError(f"--split must be one of {', '.join(tasks.SPLITS)}, got '{self.split}'")
         if self.tasks is None:

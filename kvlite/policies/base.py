@@ -113,6 +113,11 @@ class Policy:
         return out
 
     @classmethod
+    def flag(cls, name: str) -> str:
+        """How users spell parameter `name` (for messages): -T, --workspace..."""
+        return cls.params()[name].spelling
+
+    @classmethod
     def defaults(cls) -> dict[str, Any]:
         return {f.name: f.default for f in dataclasses.fields(cls)}
 
@@ -141,7 +146,7 @@ class Policy:
             return
         if self.budget <= self.sinks + max(self.window, 1):
             raise KvliteError(
-                f"--budget {self.budget} leaves no room beside {self.sinks} sinks and a recent window of "
+                f"{self.flag('budget')} {self.budget} leaves no room beside {self.sinks} sinks and a recent window of "
                 f"{max(self.window, 1)}: use a budget above {self.sinks + max(self.window, 1)}"
             )
 

@@ -27,5 +27,5 @@ class KNorm(Policy):
     def scores(self, obs: Observation) -> np.ndarray:
         keys = obs.keys[self.first_layer :].astype(np.float32)  # [L, Hkv, n, D]
         if not len(keys):
-            raise KvliteError(f"--first-layer {self.first_layer}: the model has {obs.info.n_layer} layers")
+            raise KvliteError(f"{self.flag('first_layer')} {self.first_layer}: the model has {obs.info.n_layer} layers")
         return -np.linalg.norm(keys, axis=-1).mean(axis=(0, 1))  # low norm = kept first

@@ -24,7 +24,8 @@ class LookaheadPolicy(AttentionPolicy):
     def validate(self) -> None:
         super().validate()
         if self.budget is not None and self.workspace < self.budget:
-            raise KvliteError(f"--workspace {self.workspace} is smaller than --budget {self.budget}")
+            w, b = self.flag("workspace"), self.flag("budget")
+            raise KvliteError(f"{w} {self.workspace} is smaller than {b} {self.budget}")
 
     def lookahead_cells(self) -> int:
         return self.lookahead
@@ -72,7 +73,8 @@ class EchoKV(LookaheadPolicy):
     def validate(self) -> None:
         super().validate()
         if self.lookahead % 2:
-            raise KvliteError(f"EchoKV splits -T into two rounds: it must be even, got {self.lookahead}")
+            t = self.flag("lookahead")
+            raise KvliteError(f"EchoKV splits {t} into two rounds: it must be even, got {self.lookahead}")
 
     def observed_tokens(self) -> int:
         return self.anchors
