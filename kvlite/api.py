@@ -21,6 +21,17 @@ from .progress import progress_bar
 from .runner import Generation, Runner, RunSettings, plan_context
 
 CHAT_CTX = 4096  # a conversation's length is unknown: the context of one not evicted continuously
+EVICT_MODES = ("eager", "lazy")
+# A message asks something when it has a question mark near its end or opens with one of these
+# (a pasted document with a "?" in its middle does not). Used by the hybrid policy.
+_ASKING = ("what", "who", "whom", "whose", "when", "where", "which", "why", "how", "is", "are", "does", "do", "did",
+           "can", "could", "tell", "give", "list", "name", "summarize", "explain", "describe", "repeat")  # fmt: skip
+
+
+def asks_something(message: str) -> bool:
+    text = message.strip()
+    words = text.split(maxsplit=1)
+    return "?" in text[-300:] or (bool(words) and words[0].lower().strip(",:") in _ASKING)
 
 
 class Session:
@@ -83,13 +94,21 @@ class Session:
         finally:
             runner.close()
 
-    def conversation(self, system: str | None = None) -> Conversation:
+    def conversation(self, system: str | None = None, evict: str = "eager") -> Conversation:
         """A new conversation on its own context: 4096 cells unless the policy evicts continuously
-        (then budget + chunk) or n_ctx says otherwise."""
+        (then budget + chunk) or n_ctx says otherwise. The context is the cache's cap.
+        evict: "eager" evicts to the budget after every turn is read; "lazy" keeps whole turns
+        until the next one would not fit under the cap, then reads it and evicts with its queries."""
         if self.model.chat_template is None:
             raise KvliteError(f"{self.model.path.name} has no chat template: use `kvlite generate`")
+        if evict not in EVICT_MODES:
+            raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{evict}'")
+        if evict == "lazy" and (self.policy.budget is None or self.policy.continuous):
+            raise KvliteError(
+                "--evict lazy needs a prefill-end policy with a --budget (chunked mode evicts as it reads)"
+            )
         n_ctx = self.settings.n_ctx or (0 if self.policy.continuous else CHAT_CTX)
-        return Conversation(self._runner(n_ctx, 0, 0), system=system)
+        return Conversation(self._runner(n_ctx, 0, 0), system=system, evict=evict)
 
     def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
         """One turn of a conversation; the cache (compressed by the policy) carries over."""
@@ -108,9 +127,12 @@ class Conversation:
     """The messages so far and the text of them the cache holds. Each turn feeds only the new text
     (the rendered conversation minus what the cache already holds)."""
 
-    def __init__(self, runner: Runner, system: str | None = None):
+    def __init__(self, runner: Runner, system: str | None = None, evict: str = "eager"):
         self.runner = runner
         self.system = system
+        self.evict = evict
+        self.cap = runner.settings.n_ctx  # the context asked for (llama.cpp may allocate more): the cache's cap
+        self.last = ""  # what the last turn's eviction did, for the status line
         self.reset()
 
     def reset(self) -> None:
@@ -128,29 +150,61 @@ class Conversation:
         full = "".join(t for t, _ in pieces)
         skip = len(self.rendered) if full.startswith(self.rendered) else 0
         tokens = model.tokenize_pieces(drop_prefix(pieces, skip), add_special=not self.rendered)
-        cache = self.runner.cache
-        start = cache.n_pos
-        with progress_bar(len(tokens) if progress else 0, "prefill", min_total=2 * self.runner.chunk) as bar:
+        runner, cache = self.runner, self.runner.cache
+        question = asks_something(user)
+        evict = self._make_room(len(tokens), n_predict)
+        start, evicted = cache.n_pos, cache.evicted
+        with progress_bar(len(tokens) if progress else 0, "prefill", min_total=2 * runner.chunk) as bar:
             try:
-                complete = self.runner.feed(tokens, progress=bar, interrupted=interrupted)
+                complete = runner.feed(tokens, progress=bar, interrupted=interrupted, evict=evict, question=question)
             except KvliteError:
                 cache.truncate(start)
                 raise
         if not complete:
             cache.truncate(start)  # forget the half-fed turn; the conversation is as before
             return "", "interrupted"
+        self.last = self._describe(cache.evicted - evicted, question)
         out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
         reply = model.detokenize(out)
         self.messages = [*messages, {"role": "assistant", "content": reply}]
         self.rendered = full + reply
         return reply, stopped
 
+    def _make_room(self, n_new: int, n_predict: int) -> bool:
+        """Whether this turn evicts once it is read. Eager: always (the policy's budget decides).
+        Lazy: only when the turn and its reply would not fit under the cap; if the turn does not
+        even fit beside what is resident, evict first with what the last turn observed."""
+        runner, cache = self.runner, self.runner.cache
+        extra = runner.policy.lookahead_cells()
+        if self.evict == "eager":
+            return True
+        budget = runner.policy.budget
+        if budget + n_predict + extra > self.cap:
+            raise KvliteError(f"--budget {budget} with -n {n_predict} does not fit under the cache cap {self.cap}")
+        if cache.n_resident + n_new + n_predict + extra <= self.cap:
+            return False
+        if cache.n_resident + n_new + extra > self.cap:
+            runner.evict()
+        if cache.n_resident + n_new + extra > self.cap:
+            raise KvliteError(f"a message of {n_new} tokens does not fit under the cache cap {self.cap} beside the "
+                              f"budget {budget}: raise -c")  # fmt: skip
+        return True
+
+    def _describe(self, n_evicted: int, question: bool) -> str:
+        policy = self.runner.policy
+        if not n_evicted:
+            return "nothing evicted"
+        how = policy.name
+        if policy.name == "hybrid":
+            how += ", lookahead" if question else ", reconstruction"
+        return f"evicted {n_evicted}, kept {self.runner.cache.n_resident} ({how})"
+
     def status(self) -> str:
         c = self.runner.cache
         budget = self.runner.policy.budget
         return (
-            f"[cells {c.n_resident}/{self.runner.ctx.n_ctx} | budget {budget if budget else 'none'} | "
-            f"evicted {c.evicted} | policy {self.runner.policy.name}]"
+            f"[{self.evict} | cells {c.n_resident}/{self.cap} | budget {budget if budget else 'none'} | "
+            f"evicted {c.evicted} | policy {self.runner.policy.name} | this turn: {self.last or '-'}]"
         )
 
     def stats(self) -> str:

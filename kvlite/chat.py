@@ -31,10 +31,12 @@ def sigint_flag() -> Iterator[list[bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
-def run_chat(model, policy: Policy, settings: RunSettings, n_predict: int, system: str | None = None) -> int:
+def run_chat(
+    model, policy: Policy, settings: RunSettings, n_predict: int, system: str | None = None, evict: str = "eager"
+) -> int:
     """The REPL on a loaded model; stdin lines are user turns."""
     session = Session(model, policy, settings)
-    conv = session.conversation(system=system)
+    conv = session.conversation(system=system, evict=evict)
     interactive = sys.stdin.isatty()
     print(f"kvlite chat: {session.model.info.name}, policy {policy.name}. {HELP}", file=sys.stderr)
     while True:

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(n_predict=256)
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--evict", default="eager", choices=["eager", "lazy"],
+                   help="eager: evict to --budget after every turn is read; lazy: keep whole turns until the next "
+                   "would pass the cache cap (-c, default 4096), then evict with that turn's queries")  # fmt: skip
 
     from .eval.cli import add_parser as add_eval_parser
 
@@ -224,7 +227,7 @@ def cmd_chat(args) -> int:
 
     policy, settings = _policy_from_args(args), _settings_from_args(args)
     _note_ctx(settings.n_ctx)
-    return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system)
+    return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from .errors import KvliteError
 if TYPE_CHECKING:
     from .models import ModelInfo
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 _LIB_NAME = "libkvlite_native.so"
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -103,7 +103,7 @@ class Native:
         lib.kvl_free.argtypes = [ctypes.c_void_p]
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
         lib.kvl_rope.restype = ctypes.c_int
         lib.kvl_rope.argtypes = [ctypes.c_void_p, ctypes.POINTER(RopeParams), ctypes.c_void_p, ctypes.c_void_p]
         lib.kvl_rope.argtypes += [ctypes.c_int] * 3 + [ctypes.c_void_p]
@@ -139,8 +139,10 @@ class Native:
         key_mask: np.ndarray | None = None,
         chunk: int = 0,
         pool_kernel: int = 0,
+        reduce: str = "sum",
+        causal_tail: int = 0,
     ) -> np.ndarray:
-        """EchoKV Eq. 3 per layer and KV group.
+        """EchoKV Eq. 3 per layer and KV group (reduce="sum"), or KVzip's score (reduce="max").
 
         q: [n_layer, n_head, n_q, head_dim] float32 (post-RoPE queries);
         k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score);
@@ -148,8 +150,11 @@ class Native:
         chunk: keys per chunk (0: one chunk per layer while its logits stay under 64 MB, the
         fastest: 16K keys ran ~2x faster in one chunk than in chunks of 4K); pool_kernel: odd max-pool width
         smoothing the pooled scores along the keys (SnapKV), 0 for none.
-        Returns [n_layer, n_head_kv, n_keys]: each key's softmax probability summed over the
-        queries of its group (a query head h reads KV head h // (n_head // n_head_kv)).
+        reduce: "sum" (each key's probability summed over the queries of its group) or "max" (its
+        largest probability over those queries and query heads);
+        causal_tail: the last causal_tail keys are the queries' own keys, in order (n_q of them):
+        query r sees tail key j only for j <= r.
+        Returns [n_layer, n_head_kv, n_keys] (a query head h reads KV head h // (n_head // n_head_kv)).
         """
         if q.ndim != 4 or k.ndim != 4:
             raise KvliteError(f"attn_pool wants 4-d q and k, got q{q.shape} k{k.shape}")
@@ -168,6 +173,10 @@ class Native:
             raise KvliteError(f"attn_pool: the pooling kernel must be odd, got {pool_kernel}")
         if chunk < 0:
             raise KvliteError(f"attn_pool: chunk must be >= 0, got {chunk}")
+        if reduce not in ("sum", "max"):
+            raise KvliteError(f"attn_pool: reduce must be sum or max, got '{reduce}'")
+        if causal_tail and causal_tail != n_q or not 0 <= causal_tail <= n_keys:
+            raise KvliteError(f"attn_pool: a causal tail holds the queries' own keys ({n_q}), got {causal_tail}")
         mask = None
         if key_mask is not None:
             key_mask = np.asarray(key_mask, dtype=bool)
@@ -182,7 +191,7 @@ class Native:
         scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
         rc = self._lib.kvl_attn_pool(
             self._ctx, _ptr(q), _ptr(k), k_type, _ptr(mask), n_layer, n_head, n_head_kv, n_q, n_keys, head_dim,
-            scale, chunk, pool_kernel, _ptr(out),
+            scale, chunk, pool_kernel, int(reduce == "max"), causal_tail, _ptr(out),
         )  # fmt: skip
         if rc != 0:
             raise KvliteError(f"native attn_pool failed (status {rc}) for q{q.shape} k{k.shape}")

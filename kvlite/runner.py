@@ -144,6 +144,7 @@ class Runner:
         hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
         self.cache = KVCache(self.ctx, hidden_layer=hidden_layer)
         self.observed: dict[str, np.ndarray] = {}  # queries of the last tokens fed, per kind [L, n, H, D]
+        self.question: bool | None = None  # whether the tokens fed last end with a question (feed)
         self.sampler = Sampler(settings.sampling)
         self._reset_counters()
         # When a list: the positions resident after each eviction (the cache-evolution picture).
@@ -169,8 +170,8 @@ class Runner:
         if wants_queries:
             if policy.needs_hidden:
                 raise KvliteError("a policy observing both queries and hidden states is not supported yet")
-            capture.request("q", range(n_layer))
-            capture.request("q_pre", range(n_layer))
+            for kind in policy.captures:
+                capture.request(kind, range(n_layer))
             capture.enabled = False  # switched on for the tokens observed
         return capture
 
@@ -190,7 +191,8 @@ class Runner:
     def observation(self) -> Observation:
         """What the policy may look at now (the live cache, the captured queries, the context for a
         lookahead)."""
-        return Observation(self.cache, self.model.info, self.observed, ctx=self.ctx, capture=self.capture)
+        return Observation(self.cache, self.model, self.observed, ctx=self.ctx, capture=self.capture,
+                           question=self.question)  # fmt: skip
 
     def _evict_to_budget(self) -> Eviction | None:
         budget = self.policy.budget
@@ -221,6 +223,13 @@ class Runner:
         self.timings.evict_s += time.perf_counter() - t0
         return eviction
 
+    def evict(self) -> Eviction | None:
+        """Evict to the budget now (if the cache is over it) and compact."""
+        eviction = self._evict_to_budget()
+        self._compact()
+        self.kept_positions = self.cache.positions()
+        return eviction
+
     def _compact(self) -> None:
         if self._compact_due:
             t0 = time.perf_counter()
@@ -234,9 +243,15 @@ class Runner:
         tokens: Sequence[int],
         progress: Callable[[int], None] | None = None,
         interrupted: Callable[[], bool] = lambda: False,
+        evict: bool = True,
+        question: bool | None = None,
     ) -> bool:
-        """Prefill tokens in chunks (refreshing after each in chunked mode), then evict to the budget.
+        """Prefill tokens in chunks (refreshing after each in chunked mode), then evict to the budget
+        (unless evict=False: a lazy chat keeps the turn until the cache needs room, then calls
+        evict()). question: whether these tokens end with a question the reply answers (None:
+        unknown), for policies that score a document turn differently (Observation.question).
         Returns False if interrupted (the tokens fed so far stay)."""
+        self.question = question
         if not tokens:
             raise KvliteError("nothing to feed: the prompt is empty")
         t0 = time.perf_counter()
@@ -258,8 +273,8 @@ class Runner:
             if watching:
                 self.capture.enabled = False
                 self._keep_observed()
-            self._evict_to_budget()
-            self._compact()
+            if evict:
+                self.evict()
             return True
         finally:
             self.timings.prefill_s += time.perf_counter() - t0

@@ -41,6 +41,9 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
 //   out[l, g, i] = sum over queries q of group g of softmax_i(q . k_i * scale + mask_i)
 // where the softmax runs over the n_keys keys given. Query head h belongs to KV group
 // h / (n_head / n_head_kv), as in llama.cpp's grouped-query attention.
+// reduce_max: the maximum over the group's queries (and query heads) instead of the sum (KVzip).
+// causal_tail: the last causal_tail keys are the queries' own (n_q == causal_tail): query r sees
+// tail key j only for j <= r, as a model reading them in order (KVzip's repeated tokens).
 //   q:        f32 [n_layer, n_head, n_q, head_dim]
 //   k:        f32 or f16 (k_type: 0 = f32, 1 = f16) [n_layer, n_head_kv, n_keys, head_dim]
 //   key_mask: f32 [n_keys], 0 for a key that counts, a large negative value (-1e30) for one that
@@ -52,9 +55,10 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
 // One graph per layer, so memory follows one layer's chunk, not the whole model.
 int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_type, const float * key_mask,
                   int n_layer, int n_head, int n_head_kv, int n_q, int n_keys, int head_dim, float scale, int chunk,
-                  int pool_kernel, float * out) {
+                  int pool_kernel, int reduce_max, int causal_tail, float * out) {
     if (!c || n_layer <= 0 || n_head <= 0 || n_head_kv <= 0 || n_q <= 0 || n_keys <= 0 || head_dim <= 0 ||
-        n_head % n_head_kv != 0 || chunk < 0 || pool_kernel < 0 || (pool_kernel > 1 && pool_kernel % 2 == 0)) {
+        n_head % n_head_kv != 0 || chunk < 0 || pool_kernel < 0 || (pool_kernel > 1 && pool_kernel % 2 == 0) ||
+        causal_tail < 0 || causal_tail > n_keys || (causal_tail > 0 && causal_tail != n_q)) {
         return KVL_BAD_SHAPE;
     }
     if (k_type != GGML_TYPE_F32 && k_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
@@ -65,7 +69,7 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
         const size_t fit = (64u << 20) / (4u * (size_t) n_q * (size_t) n_head);
         chunk = fit < 1 ? 1 : (int) (fit < (size_t) n_keys ? fit : (size_t) n_keys);
     }
-    if (chunk > n_keys) chunk = n_keys;
+    if (chunk > n_keys || causal_tail > 0) chunk = n_keys;  // the causal block is masked within one chunk
     const int n_chunk = (n_keys + chunk - 1) / chunk;
     const int rows = n_q * group;
     const size_t q_layer = (size_t) n_head * n_q * head_dim;
@@ -93,6 +97,12 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
         for (int ci = 0; ci < n_chunk; ci++) {
             const int c0 = ci * chunk, len = c0 + chunk <= n_keys ? chunk : n_keys - c0;
             struct ggml_tensor * x = kvl_chunk_logits(g, tq, tk, tm, c0, len, scale);  // [len, rows, n_head_kv]
+            if (causal_tail > 0) {
+                // rows are g * n_q + q: as [len, n_q, group * n_head_kv], query q sees key i up to
+                // n_keys - n_q + q, which is ggml's diagonal mask with n_past = n_keys - n_q
+                x = ggml_reshape_3d(g, x, len, n_q, group * n_head_kv);
+                x = ggml_reshape_3d(g, ggml_diag_mask_inf(g, x, n_keys - causal_tail), len, rows, n_head_kv);
+            }
             if (n_chunk == 1) {
                 e[ci] = ggml_soft_max(g, x);
                 break;
@@ -113,12 +123,17 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
             const int len = (int) e[ci]->ne[0];
             struct ggml_tensor * p = e[ci];
             if (w) p = ggml_mul(g, p, ggml_view_3d(g, w, 1, rows, n_head_kv, w->nb[1], w->nb[2], ci * w->nb[0]));
-            // queries of one group are adjacent rows: sum them with streaming adds of contiguous
-            // rows (a transpose and sum_rows is several times slower)
             struct ggml_tensor * acc = NULL;
-            for (int r = 0; r < rows; r++) {
-                struct ggml_tensor * row = ggml_view_2d(g, p, len, n_head_kv, p->nb[2], (size_t) r * p->nb[1]);
-                acc = acc ? ggml_add(g, acc, row) : ggml_cont(g, row);
+            if (reduce_max) {  // the rows to dim 0, then one max-pool over them
+                struct ggml_tensor * t = ggml_cont(g, ggml_permute(g, p, 1, 0, 2, 3));  // [rows, len, n_head_kv]
+                acc = ggml_reshape_2d(g, kvl_row_max(g, t), len, n_head_kv);
+            } else {
+                // queries of one group are adjacent rows: sum them with streaming adds of contiguous
+                // rows (a transpose and sum_rows is several times slower)
+                for (int r = 0; r < rows; r++) {
+                    struct ggml_tensor * row = ggml_view_2d(g, p, len, n_head_kv, p->nb[2], (size_t) r * p->nb[1]);
+                    acc = acc ? ggml_add(g, acc, row) : ggml_cont(g, row);
+                }
             }
             s = s ? ggml_concat(g, s, acc, 0) : acc;
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import threading
@@ -10,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import KVLITE
+from conftest import KVLITE, run_cli
 
 from kvlite.api import Conversation
 from kvlite.engine import Model
@@ -104,7 +105,7 @@ def test_ctrl_c_in_chat_stops_the_reply_not_the_program():
     assert proc.returncode == 0, err
     assert "(stopped)" in err
     assert "Traceback" not in err
-    assert err.count("[cells") >= 3  # stopped reply, /stats, next reply
+    assert err.count("| cells") >= 3  # stopped reply, /stats, next reply
 
 
 def test_user_text_is_never_read_as_control_tokens(smol_model):
@@ -118,3 +119,20 @@ def test_user_text_is_never_read_as_control_tokens(smol_model):
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?\n Say it."}]
     rendered = smol_model.apply_chat_template(plain)
     assert smol_model.tokenize_chat(plain) == smol_model.tokenize(rendered, add_special=True, parse_special=True)
+
+
+@pytest.mark.slow
+def test_chat_lazy_mode_answers_a_question_asked_after_the_document():
+    """The issue-11 case: the document in a turn of its own, the question a turn later. Lazy mode
+    keeps the document whole until the question's turn needs room (-c 1280 here), then evicts to
+    the budget with the question's queries (EchoKV's lookahead answers the real question)."""
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "needle.txt").read_text()
+    doc = " ".join(doc.rsplit("What is the locker code", 1)[0].split())  # one line: one turn
+    script = f"{doc} Please read the document above; I will ask questions about it.\n"
+    script += "What is the locker code of Orla Bren?\n"
+    proc = run_cli("chat", "--policy", "echokv", "--budget", "256", "--evict", "lazy", "-c", "1280", "-n", "64",
+                   stdin=script)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    status = [line for line in proc.stderr.splitlines() if line.startswith("[lazy")]
+    assert len(status) == 2 and "nothing evicted" in status[0] and "kept 256 (echokv)" in status[1], status
+    assert "54554" in proc.stdout.strip().splitlines()[-1], proc.stdout

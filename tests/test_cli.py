@@ -74,7 +74,7 @@ def test_chat_scripted_stdin_default_model():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "[conversation cleared]" in proc.stderr
-    assert proc.stderr.count("[cells") >= 3  # two status lines and /stats
+    assert proc.stderr.count("| cells") >= 3  # two status lines and /stats
 
 
 @pytest.mark.slow
@@ -84,10 +84,10 @@ def test_chat_streaming_budget_holds_across_turns():
     proc = run_cli("chat", "-n", "32", "--policy", "streaming", "--budget", "160", "--chunk", "96",
                    stdin=script)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    status = [ln for ln in proc.stderr.splitlines() if ln.startswith("[cells")]
+    status = [ln for ln in proc.stderr.splitlines() if ln.startswith("[eager | cells")]
     assert len(status) == 4
     for ln in status:
-        cells = int(ln.split()[1].split("/")[0])
+        cells = int(ln.split("cells ")[1].split("/")[0])
         assert cells <= 160
     assert "evicted 0" not in status[-1]
 

@@ -65,6 +65,28 @@ def test_attn_pool_masked_cells_and_smoothing(chunk, pool_kernel):
         assert np.all(got[:, :, ~mask] == 0)
 
 
+# KVzip's score: the largest probability over a group's queries, each a single f32 softmax
+# probability (<= 1), so 1e-5 holds with the same margin as the sums above.
+@pytest.mark.parametrize(
+    "n_head,n_head_kv,n_q,n_keys,k_dtype,causal",
+    [(4, 4, 6, 20, np.float32, False), (9, 3, 40, 120, np.float16, True), (14, 2, 25, 25, np.float32, True),
+     (7, 1, 3, 500, np.float16, True)],
+)  # fmt: skip
+def test_attn_pool_max_and_causal_tail_match_torch(n_head, n_head_kv, n_q, n_keys, k_dtype, causal):
+    q, k = _inputs(2, n_head, n_head_kv, n_q, n_keys, 32, k_dtype, n_keys + 1)
+    tail = n_q if causal else 0
+    got = native().attn_pool(q, k, reduce="max", causal_tail=tail)
+    qt, kt = torch.from_numpy(q).double(), torch.from_numpy(k.astype(np.float64))
+    want = attn_pool(qt, kt, reduce="max", causal_tail=tail).numpy()
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    assert np.all(got <= 1 + 1e-6)
+    if causal:  # the last tail key is seen by the last query only: the sum is over its heads alone
+        summed = native().attn_pool(q, k, causal_tail=tail)
+        assert np.all(summed[..., -1] <= got[..., -1] * (n_head / n_head_kv) + 1e-6)
+    with pytest.raises(KvliteError, match="causal tail"):
+        native().attn_pool(q, k, causal_tail=n_q + 1 if n_q + 1 <= n_keys else n_q - 1)
+
+
 def test_attn_pool_on_captured_queries_and_cached_keys(tiny_paths):
     """Real inputs: post-RoPE queries captured from llama.cpp and keys read from its cache."""
     model = Model(tiny_paths["llama"])

@@ -8,7 +8,9 @@ from ..errors import KvliteError
 from .attention import H2O, TOVA, DapQ, SnapKV
 from .base import Param, Policy, param
 from .baselines import FullKV, StreamingLLM
+from .hybrid import Hybrid
 from .knorm import KNorm
+from .kvzip import KVzip
 from .lookahead import LAQ, EchoKV
 from .surprise import CounterCausal, CounterCausalBlind, CounterCausalFast
 
@@ -27,6 +29,8 @@ POLICIES: dict[str, type[Policy]] = {
         CounterCausalFast,
         CounterCausalBlind,
         KNorm,
+        KVzip,
+        Hybrid,
     )
 }
 
@@ -90,5 +94,6 @@ def default_summary(name: str) -> str:
 
 __all__ = [
     "H2O", "LAQ", "POLICIES", "TOVA", "CounterCausal", "CounterCausalBlind", "CounterCausalFast", "DapQ", "EchoKV",
-    "FullKV", "KNorm", "Param", "Policy", "SnapKV", "StreamingLLM", "make_policy", "param", "parameter_table",
+    "FullKV", "Hybrid", "KNorm", "KVzip", "Param", "Policy", "SnapKV", "StreamingLLM", "make_policy", "param",
+    "parameter_table",
 ]  # fmt: skip

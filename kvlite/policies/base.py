@@ -126,8 +126,10 @@ class Policy:
         return self.mode == "chunked"
 
     # What the runner must capture while the prompt is read: the queries of its last
-    # `observed_tokens()` tokens, and/or the hidden states entering the last layer.
+    # `observed_tokens()` tokens, and/or the hidden states entering the last layer. captures: the
+    # kinds (kvlite.engine.capture.KINDS) captured for observed and workspace tokens.
     needs_hidden: ClassVar[bool] = False
+    captures: ClassVar[tuple[str, ...]] = ("q", "q_pre")
 
     def observed_tokens(self) -> int:
         return 0

@@ -21,23 +21,26 @@ from ..scoring.proposals import proposals
 
 if TYPE_CHECKING:
     from ..cache import KVCache
-    from ..models import ModelInfo
+    from ..engine import Model
 
 
 class Observation:
-    """cache: the live cache; info: the model's facts; observed: the queries of the last tokens fed,
-    by kind ("q", "q_pre") [L, n, H, D]; ctx and capture: where a lookahead decodes and what it
-    captures (None when the policy does not look ahead)."""
+    """cache: the live cache; model: its facts and tokenizer; observed: the queries of the last
+    tokens fed, by kind ("q", "q_pre") [L, n, H, D]; ctx and capture: where a lookahead decodes and what it
+    captures (None when the policy does not look ahead); question: whether the tokens fed last end
+    with a question the reply answers (None: unknown; a chat's document turn is False)."""
 
     def __init__(
         self,
         cache: KVCache,
-        info: ModelInfo,
+        model: Model,
         observed: dict[str, np.ndarray] | None = None,
         ctx: Context | None = None,
         capture: Capture | None = None,
+        question: bool | None = None,
     ):
-        self.cache, self.info = cache, info
+        self.cache, self.model, self.info = cache, model, model.info
+        self.question = question
         self.observed = observed or {}
         self.ctx, self.capture = ctx, capture
         self.positions = self.cache.positions()  # resident live positions, ascending: what scores index
@@ -129,6 +132,23 @@ class Lookahead:
         finally:
             self.capture.enabled = False
         return np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+
+    def reconstruct(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Teacher-force tokens on the workspace after what it views (KVzip's repeat pass). Returns
+        their post-RoPE queries [L, H, n, D] and keys [L, Hkv, n, D]."""
+        info = self.obs.info
+        if not self.capture.wants("k", 0):
+            raise KvliteError("reconstruction needs a context capturing keys")
+        self.capture.clear()
+        self.capture.enabled = True
+        try:
+            self.cache.workspace_decode(tokens, logits="none")
+            self.obs.workspace_forward_passes += -(-len(tokens) // self.ctx.n_batch)
+            q = np.stack([self.capture.take("q", il) for il in range(info.n_layer)])  # [L, n, H, D]
+            k = np.stack([self.capture.take("k", il) for il in range(info.n_layer)])  # [L, n, Hkv, D]
+        finally:
+            self.capture.enabled = False
+        return np.ascontiguousarray(q.transpose(0, 2, 1, 3)), np.ascontiguousarray(k.transpose(0, 2, 1, 3))
 
     def close(self) -> None:
         if self.cache.workspace_active:

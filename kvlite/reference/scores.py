@@ -11,12 +11,16 @@ def attn_pool(
     scale: float | None = None,
     key_mask: torch.Tensor | None = None,
     pool_kernel: int = 0,
+    reduce: str = "sum",
+    causal_tail: int = 0,
 ) -> torch.Tensor:
     """EchoKV Eq. 3: s[l, g, i] = sum over queries q of KV group g of softmax_i(q . k_i * scale).
 
     q: [n_layer, n_head, n_q, D]; k: [n_layer, n_head_kv, n_keys, D]; query head h belongs to
     group h // (n_head // n_head_kv). key_mask (bool [n_keys]): keys outside the softmax.
     pool_kernel: SnapKV's smoothing, max_pool1d(kernel, stride 1, padding kernel // 2) over keys.
+    reduce "max" (KVzip): the largest probability over the group's queries and query heads.
+    causal_tail: the last n_q keys are the queries' own, query r sees tail key j only for j <= r.
     Returns [n_layer, n_head_kv, n_keys]."""
     n_layer, n_head, n_q, d = q.shape
     n_head_kv, n_keys = k.shape[1], k.shape[2]
@@ -25,7 +29,12 @@ def attn_pool(
     logits = torch.einsum("lhqd,lhnd->lhqn", q, kh) * scale
     if key_mask is not None:
         logits = logits.masked_fill(~key_mask, float("-inf"))
-    s = torch.softmax(logits, dim=-1).reshape(n_layer, n_head_kv, -1, n_keys).sum(dim=2)
+    if causal_tail:
+        r = torch.arange(n_q)[:, None]
+        j = torch.arange(n_keys)[None, :] - (n_keys - causal_tail)
+        logits = logits.masked_fill(j > r, float("-inf"))
+    p = torch.softmax(logits, dim=-1).reshape(n_layer, n_head_kv, -1, n_keys)
+    s = p.amax(dim=2) if reduce == "max" else p.sum(dim=2)
     if pool_kernel > 1:
         s = torch.nn.functional.max_pool1d(s, pool_kernel, stride=1, padding=pool_kernel // 2)
     return s

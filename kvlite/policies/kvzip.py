@@ -1,0 +1,123 @@
+"""KVzip (Kim et al., 2025, "Query-Agnostic KV Cache Compression with Context Reconstruction";
+kvpress's KVzipPress): keep what the model needs to repeat the context. The resident cells are
+teacher-forced back, chunk by chunk, after a prompt asking for them to be repeated, on a
+workspace view of the whole cache; a cell's score is the largest attention any query of its
+chunk's pass pays it. No question is needed, so a document turn can be compressed before the
+questions about it arrive (notes/peers.md: 13 of 14 stated-once facts at budget 256).
+
+How the port reads the reference code (snu-mllab/KVzip attention/score.py, kvpress
+kvzip_press.py): the prompts are theirs; each pass's softmax runs over the first `sinks` cells,
+its chunk's cells and the pass's own tokens (causally), as theirs; the score is the maximum over
+the pass's queries and the query heads of a KV group, as theirs. KVzip then keeps (layer, head,
+token) triples above one global threshold; llama.cpp frees whole tokens, so kvlite keeps a token by
+its best triple: the maximum over layers and KV heads of the raw scores (no per-row normalization,
+which is the token-level reading of a global threshold)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import KvliteError
+from ..native import native
+from .base import Policy, param
+from .observe import Observation
+
+FIRST = "Repeat the previous context exactly."
+LATER = "Repeat the part of the previous context exactly, starting with"
+PAIR_VOTES = ("votes", "max", "mean")
+POSTFIX = 8  # tokens of the previous chunk quoted in a later chunk's prompt (KVzip's prev_postfix_size)
+PROMPT_ROOM = 160  # cells a repeat prompt may take beside its chunk (27 on SmolLM2; a byte-level vocabulary needs ~125)
+
+
+def repeat_prompt(model, previous: list[int] | None) -> list[int]:
+    """The repeat instruction as a user turn of the model's template (plain text without one),
+    ending where the assistant's reply, the teacher-forced context, begins. A later pass quotes the
+    previous pass's last tokens as they are (KVzip decodes and re-encodes them: the same text)."""
+    text = FIRST if previous is None else LATER
+    quoted = [] if previous is None else list(previous)
+    if model.chat_template is None:
+        head, tail = f"\n\n{text} ", "\n\n"
+    else:
+        pieces = model.chat_segments([{"role": "user", "content": text}], add_assistant=True)
+        at = next(i for i, (_, literal) in enumerate(pieces) if literal)
+        head = "".join(t for t, _ in pieces[: at + 1]) + (" " if quoted else "")
+        tail = "".join(t for t, _ in pieces[at + 1 :])
+    out = model.tokenize(head, add_special=False, parse_special=model.chat_template is not None)
+    out += quoted + model.tokenize(tail, add_special=False, parse_special=True)
+    if len(out) > PROMPT_ROOM:
+        raise KvliteError(f"kvzip's repeat prompt takes {len(out)} tokens, more than the {PROMPT_ROOM} set aside")
+    return out
+
+
+@dataclasses.dataclass
+class KVzip(Policy):
+    """repeat_chunk: cells reconstructed per pass (KVzip uses 2000; smaller passes bound memory:
+    the pass's queries and keys, and its [queries x keys] scores per layer)."""
+
+    name = "kvzip"
+    captures: ClassVar[tuple[str, ...]] = ("q", "q_pre", "k")
+    repeat_chunk: int = param(512, "--repeat-chunk", "kvzip: cells teacher-forced back per reconstruction pass",
+                              alias="C", minimum=16)  # fmt: skip
+    pair_vote: str = param("votes", "--pair-vote", "kvzip: (layer, head) scores to one per token: votes (pairs above "
+                           "KVzip's global threshold), max or mean", type=str, choices=PAIR_VOTES)  # fmt: skip
+
+    def lookahead_cells(self) -> int:
+        return self.repeat_chunk + PROMPT_ROOM
+
+    def scores_depend_on_budget(self) -> bool:
+        return self.pair_vote == "votes"  # the global threshold keeps budget/n of the pairs
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        return self.reconstruction_scores(obs)
+
+    def reconstruction_scores(self, obs: Observation) -> np.ndarray:
+        return to_tokens(self.pair_scores(obs), self.pair_vote, self.budget)
+
+    def pair_scores(self, obs: Observation) -> np.ndarray:
+        """KVzip's score of every (layer, KV head, resident cell): [L, Hkv, n] (the sinks: inf)."""
+        pos = obs.positions
+        n = len(pos)
+        tokens = obs.cache.tokens_at(pos)
+        keys = obs.keys  # [L, Hkv, n, D]
+        sink = min(self.sinks, n)
+        out = np.full(keys.shape[:3], np.inf)  # the sinks are in every pass's softmax and always kept
+        for c0 in range(sink, n, self.repeat_chunk):
+            c1 = min(c0 + self.repeat_chunk, n)
+            previous = None if c0 == sink else tokens[max(sink, c0 - POSTFIX) : c0]
+            look = obs.lookahead(pos)  # the workspace views every resident cell
+            try:
+                q, k = look.reconstruct(repeat_prompt(obs.model, previous) + tokens[c0:c1])
+            finally:
+                look.close()
+            ks = np.concatenate([keys[:, :, :sink], keys[:, :, c0:c1], k.astype(keys.dtype)], axis=2)
+            s = native().attn_pool(q, ks, reduce="max", causal_tail=q.shape[2])  # [L, Hkv, sink + chunk + pass]
+            out[:, :, c0:c1] = s[:, :, sink : sink + c1 - c0]
+        return out
+
+
+def to_tokens(pairs: np.ndarray, how: str, budget: int | None) -> np.ndarray:
+    """One score per token from [L, Hkv, n] pair scores (the sinks: inf, kept).
+    votes: KVzip keeps the (layer, head, token) triples above one global threshold, set so that the
+    share of them that survives is the share of scored tokens the budget keeps; a token scores the
+    number of its triples that survive (ties: the mean). max / mean: over layers and KV heads. On
+    SmolLM2 every token has a copying head that pays it ~0.9 or more, so the maximum is nearly flat
+    (docs/policies.md)."""
+    n = pairs.shape[2]
+    finite = np.isfinite(pairs[0, 0])
+    out = np.full(n, np.inf)
+    p = pairs[:, :, finite]
+    if p.size == 0:
+        return out
+    if how == "max":
+        out[finite] = p.max(axis=(0, 1))
+    elif how == "mean":
+        out[finite] = p.mean(axis=(0, 1))
+    else:
+        scored = int(finite.sum())
+        keep = min(1.0, max(0.0, ((budget or n) - (n - scored)) / scored))  # the share of scored tokens kept
+        threshold = np.quantile(p, 1 - keep)
+        out[finite] = (p > threshold).sum(axis=(0, 1)) + p.mean(axis=(0, 1)) / (p.shape[0] * p.shape[1] + 1)
+    return out
