@@ -62,6 +62,8 @@ def test_policies() -> list[str]:
 PROTECT = ["streaming", "h2o", "tova", "snapkv", "laq(T=24)", "echokv"]
 CHUNKED = ["streaming", "h2o", "snapkv", "echokv", "cc", "cc-fast", "cc-blind"]
 J, H = 256, 32
+CHAT = ["snapkv", "laq", "echokv", "kvzip", "hybrid"]
+CHAT_TASKS = ["chat", "chat-hop"]
 
 
 @dataclasses.dataclass
@@ -96,6 +98,12 @@ def stages(quick: bool = False) -> list[Stage]:
     out.append(stage("tune-protect-smol-4096", smol, TASKS, 4096, 8, "tune", protect, BUDGETS))
     for m, length in [("qwen", 4096), ("smol", 8192), ("smol", 2048), ("qwen", 2048)]:
         out.append(stage(f"test-{m}-{length}", MODELS[m], TASKS, length, N[m], "test", test_policies(), BUDGETS))
+    # Multi-turn (issue 11): a document turn, then questions turn by turn, in both chat eviction
+    # modes. Tune first (it decides kvlite chat's default mode and whether the hybrid pays), then test.
+    chat = ["full", *(f"{p}(evict={mode})" for p in CHAT for mode in ("eager", "lazy"))]
+    out.append(stage("chat-tune-smol-1024", smol, CHAT_TASKS, 1024, 8, "tune", chat, BUDGETS))
+    out.append(stage("chat-test-smol-1024", smol, CHAT_TASKS, 1024, 12, "test", chat, BUDGETS))
+    out.append(stage("chat-test-qwen-1024", qwen, CHAT_TASKS, 1024, 8, "test", chat, BUDGETS))
     return out
 
 

@@ -263,3 +263,25 @@ def test_teacher_forcing_runs_in_pieces_of_a_small_chunk(tiny_paths, tmp_path):
     records = {r["policy"]: r for r in read_records(out)}
     assert len(records["full"]["generated"]) > 4
     assert "kl" in records["streaming(mode=chunked,h=4)"]
+
+
+def test_multi_turn_tasks_run_per_turn_in_both_modes(tiny_paths, tmp_path):
+    policies = ["full", "snapkv", "snapkv(evict=lazy)", "kvzip(C=64)", "hybrid(T=4,B1=96,C=64,evict=lazy)"]
+    cfg = grid_cfg(tiny_paths, tmp_path, tasks=["chat", "chat-hop"], n=1, policies=policies, budgets=[48],
+                   n_predict=None)  # fmt: skip
+    grid = Grid(cfg)
+    grid.run()
+    assert grid.failures == 0
+    records = read_records(tmp_path)
+    assert len(records) == 2 * (1 + 4)
+    for r in records:
+        n_questions = 4 if r["task"].startswith("chat/") else 2
+        assert len(r["turn_scores"]) == n_questions and len(r["outputs"]) == n_questions + 1 + (r["task"] != "chat/300")
+        assert r["max_cells"] <= r["cap"], (r["task"], r["policy"], r["turns"], r["cap"], r["max_cells"])
+        assert r["evict"] == ("lazy" if "evict=lazy" in r["policy"] else "eager")
+    eager = next(r for r in records if r["policy"] == "snapkv" and r["task"] == "chat/300")
+    lazy = next(r for r in records if r["policy"] == "snapkv(evict=lazy)" and r["task"] == "chat/300")
+    assert eager["turns"][0].startswith("evicted")  # the document turn is cut to the budget at once
+    assert lazy["turns"][0] == "nothing evicted" and any(t.startswith("evicted") for t in lazy["turns"][1:])
+    with pytest.raises(KvliteError, match="evict must be one of"):
+        parse_spec("snapkv(evict=sometimes)")

@@ -21,6 +21,11 @@ def test_deterministic_sized_and_evidence_holds_the_answer(task):
     assert len({s.prompt for s in a}) == 3
     for s in a:
         assert 0.9 * 1024 <= count(s.prompt) <= 1.1 * 1024
+        if s.turns is not None:  # multi-turn: every answer was told in an earlier turn, the document first
+            assert s.turns[0] == (s.prompt, []) and len(s.turns) >= 4
+            for i, (_, answers) in enumerate(s.turns):
+                assert all(a in " ".join(m for m, _ in s.turns[:i]) for a in answers)
+            continue
         evidence = " ".join(s.prompt[x:y] for x, y in s.evidence)
         assert all(ans in evidence for ans in s.answers)  # the gold answer is stated in the evidence
         assert s.metric in ("contains_all", "contains_share") and s.max_new_tokens > 0
@@ -80,6 +85,9 @@ def test_test_split_is_other_prose_and_other_phrasing(task):
             w for x in statements(test) for w in x.split()[:3]
         )
     for s in (tune, test):  # the closing question is the prompt's last paragraph
+        if s.turns is not None:  # a document turn asks nothing
+            assert s.question is None and s.prompt.endswith(tasks.READ)
+            continue
         assert s.prompt[s.question[0] :].endswith("?") or s.prompt[s.question[0] :].endswith(".")
         assert "\n" not in s.prompt[s.question[0] :]
 

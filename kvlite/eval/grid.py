@@ -19,7 +19,7 @@ from ..engine import Model
 from ..errors import KvliteError
 from ..models import resolve_model
 from ..policies import POLICIES, FullKV, Param, Policy, make_policy
-from . import longbench, tasks
+from . import longbench, multiturn, tasks
 from .evaluate import SampleRun, tokenize
 from .records import prepare_out, read_records, record_key, repair_tail
 
@@ -28,7 +28,12 @@ from .records import prepare_out, read_records, record_key, repair_tail
 # policy: `h` (chunk, chunked mode's refresh interval; default evaluate.CHUNK), and
 # `window=question`, which protects the sample's closing question (every token from its start on;
 # or the policy's own recent window if that is longer), as kvpress's protocol never compresses it.
-RUN_PARAMS = {"h": "chunk", "chunk": "chunk"}
+RUN_PARAMS = {
+    "h": ("chunk", Param("h", "chunked mode's refresh interval", minimum=1)),
+    "chunk": ("chunk", Param("h", "chunked mode's refresh interval", minimum=1)),
+    # multi-turn tasks: the chat's eviction mode (kvlite chat --evict)
+    "evict": ("evict", Param("evict", "chat eviction mode", type=str, choices=("eager", "lazy"))),
+}
 QUESTION = "question"
 
 
@@ -132,13 +137,15 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         if not eq:
             raise KvliteError(f"policy '{spec}': parameters are key=value, got '{item}'")
         if key in RUN_PARAMS:
-            params[RUN_PARAMS[key]] = Param("h", "chunk", minimum=1).parse(value)
+            field, prm = RUN_PARAMS[key]
+            params[field] = prm.parse(value)
+            prm.check(params[field])
         elif names.get(key) == "window" and value == QUESTION:
             params["window"] = QUESTION
         elif key in names:
             params[names[key]] = declared[names[key]].parse(value)
         else:
-            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h"])
+            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h", "evict"])
             raise KvliteError(f"policy '{spec}' has no parameter {key}: its parameters are {known}")
     return m.group(1), params
 
@@ -155,6 +162,7 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
     name, params = parse_spec(spec)
     params.setdefault("mode", "prefill-end")
     params.pop("chunk", None)
+    params.pop("evict", None)
     protect = params.get("window") == QUESTION
     if protect:
         if question_tokens is None:
@@ -170,8 +178,8 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
 
 
 def run_params(spec: str) -> dict:
-    """The cell settings a spec carries (chunk h for chunked mode)."""
-    return {k: v for k, v in parse_spec(spec)[1].items() if k == "chunk"}
+    """The cell settings a spec carries (chunk h for chunked mode, evict for multi-turn tasks)."""
+    return {k: v for k, v in parse_spec(spec)[1].items() if k in ("chunk", "evict")}
 
 
 def model_label(path: pathlib.Path) -> str:
@@ -265,6 +273,9 @@ class Grid:
         want_diag = cfg.diagnostics and bool(sample.evidence) and diag_key not in done
         if not todo and not want_diag:
             return
+        if sample.turns is not None:
+            self._run_conversations(model, base, sample, todo, progress)
+            return
         try:
             prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
             run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=self.lookahead_cells)
@@ -302,6 +313,20 @@ class Grid:
                 self._append(self.samples_path, {**where, "overlap": diag})
             except Exception as e:  # noqa: BLE001
                 self._fail(where, _message(e))
+
+    def _run_conversations(self, model: Model, base: dict, sample: tasks.Sample, todo: list, progress) -> None:
+        """Multi-turn cells: each replays the whole conversation (kvlite.eval.multiturn)."""
+        for spec, budget in todo:
+            where = {**base, "policy": spec, "budget": budget}
+            try:
+                policy = policy_for(spec, budget)
+                evict = run_params(spec).get("evict", "eager") if budget is not None else "eager"
+                record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads)
+                self._append(self.samples_path, {**where, **record})
+            except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
+                self._fail(where, _message(e))
+            if progress:
+                progress(1)
 
     def count_todo(self) -> int:
         """Cells left in this shard (for the progress bar), without loading a model."""

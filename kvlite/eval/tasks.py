@@ -113,6 +113,9 @@ class Sample:
     all_classes: list[str] | None = None
     split: str = "data"  # "tune" or "test" for generated tasks; "data" for a user's files
     question: tuple[int, int] | None = None  # character span of the closing question (None: unknown)
+    # A conversation (multi-turn tasks): the user messages in order, each with the answers its reply
+    # must contain (none for a turn that only tells something). `prompt` is then the first message.
+    turns: list[tuple[str, list[str]]] | None = None
 
 
 def _code(rng: random.Random, digits: int = 7) -> str:
@@ -233,12 +236,51 @@ def list_recall(b: Builder, target: int, depth: float, n_items: int = 6) -> tupl
     return text, [v for _, v in items], spans
 
 
+READ = "Please read the document above; I will ask questions about it."
+
+
+def chat_facts(b: Builder, target: int, depth: float, n_facts: int = 4) -> tuple[str, list[str], list, list]:
+    """Multi-turn: a document turn (no question) stating n_facts codes spread through it, then one
+    question per turn about each fact in a shuffled order (so one is asked in turn 2, one in the
+    last turn). The document turn carries no question: what it keeps must serve questions asked later."""
+    p = b.p
+    taken: set[str] = set()
+    facts = [(_key(b.rng, taken, p.words), _code(b.rng, p.digits)) for _ in range(n_facts)]
+    depths = [(depth + i / n_facts) % 1.0 for i in range(n_facts)]
+    statements = [(d, p.needle.format(key=k, value=v)) for d, (k, v) in zip(depths, facts)]
+    text, spans = b.build(p.intro, statements, READ, target)
+    order = list(range(n_facts))
+    b.rng.shuffle(order)
+    turns = [(text, [])] + [(p.question.format(key=facts[i][0]), [facts[i][1]]) for i in order]
+    return text, [v for _, v in facts], spans, turns
+
+
+def chat_hop(b: Builder, target: int, depth: float) -> tuple[str, list[str], list, list]:
+    """Multi-turn, two facts from two turns (LoCoMo's multi-hop spirit): the document says where a
+    person lives; a later turn adds the code of that place; the last turn asks for the code of the
+    place where the person lives. A distractor question in between keeps the cache moving."""
+    p = b.p
+    person, place, code = b.rng.choice(p.people), b.rng.choice(p.places), _code(b.rng, p.digits)
+    key, value = _key(b.rng, set(), p.words), _code(b.rng, p.digits)
+    statements = [(depth, p.lives.format(person=person, place=place)), ((depth + 0.5) % 1.0,
+                  p.needle.format(key=key, value=value))]  # fmt: skip
+    text, spans = b.build(p.intro, statements, READ, target)
+    turns = [
+        (text, []),
+        (p.question.format(key=key), [value]),
+        ("One more fact for later. " + p.place_code.format(place=place, value=code), []),
+        (p.hop_question.format(person=person), [code]),
+    ]
+    return text, [value, code], spans, turns
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskKind:
     make: Callable
     metric: str  # "contains_all": every answer string must appear; "contains_share": the share that does
     max_new_tokens: int
     decode_heavy: bool = False  # the answer restates prompt content all along its generation
+    multi_turn: bool = False  # make() also returns the conversation's turns
 
 
 TASKS: dict[str, TaskKind] = {
@@ -247,6 +289,8 @@ TASKS: dict[str, TaskKind] = {
     "twohop": TaskKind(two_hop, "contains_all", 32),
     "vt": TaskKind(variable_tracking, "contains_all", 64),
     "recall": TaskKind(list_recall, "contains_share", 128, decode_heavy=True),
+    "chat": TaskKind(chat_facts, "contains_all", 32, multi_turn=True),
+    "chat-hop": TaskKind(chat_hop, "contains_all", 32, multi_turn=True),
 }
 
 
@@ -284,8 +328,10 @@ def generate(
         # the tune split keeps the seeds it had before splits existed: its records stay valid
         rng = random.Random(f"{seed}/{task}/{length}/{i}" + ("" if split == "tune" else f"/{split}"))
         d = depth if depth is not None else 0.1 + 0.8 * rng.random()
-        text, answers, spans = kind.make(Builder(count_tokens, rng, PHRASINGS[split]), length, d)
+        made = kind.make(Builder(count_tokens, rng, PHRASINGS[split]), length, d)
+        text, answers, spans = made[:3]
         tail = text.rindex("\n\n") + 2  # every layout ends with its question after a blank line
         out.append(Sample(task_label(task, length, split), i, text, answers, kind.metric, kind.max_new_tokens, True,
-                          spans, split=split, question=(tail, len(text))))  # fmt: skip
+                          spans, split=split, question=None if kind.multi_turn else (tail, len(text)),
+                          turns=made[3] if kind.multi_turn else None))  # fmt: skip
     return out
