@@ -58,7 +58,7 @@ class KVzip(Policy):
     the pass's queries and keys, and its [queries x keys] scores per layer)."""
 
     name = "kvzip"
-    captures: ClassVar[tuple[str, ...]] = ("q", "q_pre", "k")
+    captures: ClassVar[tuple[str, ...]] = ("q", "k")  # of the reconstruction passes
     repeat_chunk: int = param(512, "--repeat-chunk", "kvzip: cells teacher-forced back per reconstruction pass",
                               alias="C", minimum=16)  # fmt: skip
     pair_vote: str = param("votes", "--pair-vote", "kvzip: (layer, head) scores to one per token: votes (pairs above "
