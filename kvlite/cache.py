@@ -81,9 +81,24 @@ class KVCache:
         recomputed): positions [n] ascending, K and V [len(layers), n, n_head_kv * head_dim]."""
         _, _, st = self._live_state("reading the live cache")
         order = np.argsort(st.pos, kind="stable")
-        k = np.stack([st.k[il][order] for il in layers])
-        v = np.stack([np.ascontiguousarray(st.v[il][order]) for il in layers])
+        k = np.empty((len(layers), len(order), st.k[0].shape[1]), st.k[0].dtype)
+        v = np.empty((len(layers), len(order), st.v[0].shape[1]), st.v[0].dtype)
+        for i, il in enumerate(layers):  # straight from the blob into the result: one copy
+            np.take(st.k[il], order, axis=0, out=k[i])
+            np.take(st.v[il], order, axis=0, out=v[i])
         return st.pos[order], k, v
+
+    def read_keys(self, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
+        """Positions [n] ascending and the cached keys of every layer as attention reads them,
+        [L, n_head_kv, n, head_dim], filled layer by layer from the state blob (which is freed on
+        return): the one copy of the keys an attention score needs, no values."""
+        _, _, st = self._live_state("reading the live cache")
+        order = np.argsort(st.pos, kind="stable")
+        n, n_embd = len(order), st.k[0].shape[1]
+        keys = np.empty((len(st.k), n_head_kv, n, n_embd // n_head_kv), st.k[0].dtype)
+        for il, rows in enumerate(st.k):
+            keys[il] = rows[order].reshape(n, n_head_kv, -1).transpose(1, 0, 2)
+        return st.pos[order], keys
 
     def _live_state(self, purpose: str) -> tuple[bytes, kvstate.SeqState, kvstate.Stream]:
         """The live sequence's state blob, parsed, and its one KV stream (kv_unified)."""

@@ -52,12 +52,9 @@ class Observation:
     @functools.cached_property
     def keys(self) -> np.ndarray:
         """Cached post-RoPE keys of the resident cells, from llama.cpp's state: [L, Hkv, n, D] f16."""
-        info = self.info
-        pos, k, _ = self.cache.read_kv(range(info.n_layer))
+        pos, keys = self.cache.read_keys(self.info.n_head_kv)
         assert np.array_equal(pos, self.positions)
-        return np.ascontiguousarray(
-            k.reshape(info.n_layer, len(pos), info.n_head_kv, info.head_dim).transpose(0, 2, 1, 3)
-        )
+        return keys
 
     def last_queries(self, n: int, kind: str = "q") -> np.ndarray:
         """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D]."""
