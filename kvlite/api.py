@@ -163,7 +163,7 @@ class Conversation:
         if not complete:
             cache.truncate(start)  # forget the half-fed turn; the conversation is as before
             return "", "interrupted"
-        self.last = self._describe(cache.evicted - evicted, question)
+        self.last = self._describe(cache.evicted - evicted)
         out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
         reply = model.detokenize(out)
         self.messages = [*messages, {"role": "assistant", "content": reply}]
@@ -190,14 +190,11 @@ class Conversation:
                               f"budget {budget}: raise -c")  # fmt: skip
         return True
 
-    def _describe(self, n_evicted: int, question: bool) -> str:
-        policy = self.runner.policy
-        if not n_evicted:
+    def _describe(self, n_evicted: int) -> str:
+        ev = self.runner.last_eviction
+        if not n_evicted or ev is None:
             return "nothing evicted"
-        how = policy.name
-        if policy.name == "hybrid":
-            how += ", lookahead" if question else ", reconstruction"
-        return f"evicted {n_evicted}, kept {self.runner.cache.n_resident} ({how})"
+        return f"evicted {n_evicted}, kept {self.runner.cache.n_resident} ({ev.method})"
 
     def status(self) -> str:
         c = self.runner.cache

@@ -56,6 +56,7 @@ class Eviction:
     workspace_views: list[np.ndarray]
     workspace_forward_passes: int = 0
     next_logits: np.ndarray | None = None
+    method: str = ""  # how the scores were made: the policy's name, or what a policy with several ways chose
 
 
 def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chunk: int) -> tuple[int, int]:
@@ -211,7 +212,7 @@ class Runner:
             obs.positions, scores, budget, protected_positions(obs.positions, self.policy.sinks, self.policy.window)
         )
         eviction = Eviction(obs.positions, scores, keep, obs.workspace_views, obs.workspace_forward_passes,
-                            obs.next_logits)  # fmt: skip
+                            obs.next_logits, obs.method or self.policy.name)  # fmt: skip
         if self.cache.evict(keep):
             self._compact_due = True
         self.workspace_forward_passes += eviction.workspace_forward_passes

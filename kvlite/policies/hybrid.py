@@ -29,5 +29,7 @@ class Hybrid(EchoKV, KVzip):
 
     def scores(self, obs: Observation) -> np.ndarray:
         if obs.question is False:
+            obs.method = "hybrid: kvzip reconstruction"
             return self.reconstruction_scores(obs)
+        obs.method = "hybrid: echokv lookahead"
         return EchoKV.scores(self, obs)

@@ -47,6 +47,7 @@ class Observation:
         self.workspace_forward_passes = 0
         self.next_logits: np.ndarray | None = None  # the prompt's own, saved before a lookahead overwrites them
         self.workspace_views: list[np.ndarray] = []  # prompt positions each lookahead round viewed (diagnostics)
+        self.method: str | None = None  # how the policy scored, when it has more than one way (the hybrid)
 
     # -- what the prefill left ------------------------------------------------------------------
     @functools.cached_property
