@@ -18,6 +18,7 @@ from .selection import protected_positions, select_keep
 
 DEFAULT_CHUNK = 512
 MIN_CTX = 256  # llama.cpp pads a context to a multiple of 256 cells
+SPLIT_OBSERVED = 64  # a chunk's observed tail gets its own batch when this many tokens precede it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,10 +260,10 @@ class Runner:
         observe_from = len(tokens) - self.policy.observed_tokens() if self.policy.observed_tokens() else len(tokens)
         watching = self.watches_queries
         try:
-            for start in range(0, len(tokens), self.chunk):
+            for start, end in self._pieces(len(tokens), observe_from if watching else len(tokens)):
                 if interrupted():
                     return False
-                piece = tokens[start : start + self.chunk]
+                piece = tokens[start:end]
                 if watching:  # chunked mode observes every chunk's last tokens
                     self.capture.enabled = self.policy.continuous or start + len(piece) > observe_from
                 self.cache.append(piece, logits="last")
@@ -280,6 +281,18 @@ class Runner:
         finally:
             self.timings.prefill_s += time.perf_counter() - t0
             self.kept_positions = self.cache.positions()
+
+    def _pieces(self, n: int, observe_from: int) -> list[tuple[int, int]]:
+        """Prefill batches of `chunk` tokens. In prefill-end mode the observed tail is its own batch
+        when the rest of its chunk is long: the capture then holds the rows the policy reads, not
+        a whole chunk's (a 512-token chunk's queries are ~70 MB on SmolLM2)."""
+        bounds = [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
+        if self.policy.continuous or observe_from >= n:
+            return bounds
+        a, b = bounds[-1]
+        if observe_from - a >= SPLIT_OBSERVED:
+            bounds[-1:] = [(a, observe_from), (observe_from, b)]
+        return bounds
 
     def _keep_observed(self) -> None:
         """Move the captured queries of the last tokens out of the capture (the policy's window of
