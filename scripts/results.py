@@ -268,6 +268,33 @@ def decode_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def chat_table(records: list[dict]) -> str:
+    """Multi-turn: per model and split, the score over question turns (all tasks pooled) by policy,
+    budget and chat eviction mode, with the most cells any turn held (memory)."""
+    by: dict = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if "score" in r:
+            split = r["task"].split(":")[0] if ":" in r["task"] else "tune"
+            by[(r["model"], split)][(r["policy"].split("(")[0], r["budget"], r.get("evict", "eager"))].append(r)
+    cols = [(b, m) for b in BUDGETS for m in ("eager", "lazy")]
+    out = []
+    for (model, split), cells in sorted(by.items()):
+        full = cells.get(("full", None, "eager"), [])
+        full_score = stats.bootstrap_mean([r["score"] for r in full]).fmt()
+        header = "| policy | " + " | ".join(f"{b} {m}" for b, m in cols) + " |"
+        out += [f"**{model} · {split} split** (full cache {full_score}, n = {len(full)} conversations)\n", header,
+                "|---|" + "---|" * len(cols)]  # fmt: skip
+        for policy in dict.fromkeys(p for p, _, _ in cells if p != "full"):
+            row = []
+            for b, m in cols:
+                rs = cells.get((policy, b, m), [])
+                cells_max = max((r["max_cells"] for r in rs), default=0)
+                row.append(f"{stats.bootstrap_mean([r['score'] for r in rs]).fmt()} ({cells_max} cells)" if rs else "")
+            out.append(f"| {policy} | " + " | ".join(row) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", default=None, help="comma-separated stage names (default: all, in priority order)")
@@ -337,6 +364,11 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         f"Cache J = {J}, refresh every h = {H} tokens of prompt and generation. Seconds per sample: reading the "
         "prompt and generating (teacher forcing excluded), as the counter-causal paper's Table 1.\n",
         decode_table(decode) if decode else "(not run yet)",
+        "\n## Multi-turn: a document turn, then questions turn by turn (issue 11)\n",
+        "Score over the question turns, pooled over `chat` and `chat-hop`; in parentheses the most cells any "
+        "turn held. eager: evict to the budget after every turn; lazy: keep whole turns until the next would "
+        "not fit under the cap (the document plus 256 cells), then evict with that turn's queries.\n",
+        chat_table(records_of(out, "chat-")) or "(not run yet)",
         "\n## Wall time\n",
         "| stage | seconds |\n|---|---|\n" + "\n".join(f"| {k} | {v:.0f} |" for k, v in walls.items()),
         "\n## Plots\n",
