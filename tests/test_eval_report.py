@@ -80,6 +80,12 @@ def test_end_to_end_seconds_charge_the_shared_prefix_to_prefill_end_cells():
     assert e2e[("m", "recall/1024", "cc(mode=chunked,h=32)", 64)] == 8.0  # reads its prompt itself
 
 
+def test_end_to_end_seconds_are_a_median_a_stalled_cell_cannot_move():
+    cells = [{"model": "m", "task": "t/1", "sample": i, "score": 1.0, "policy": "cc(mode=chunked)", "budget": 8,
+              "time": {"cell_s": s, "teacher_forcing_s": 0.0}} for i, s in enumerate([10.0, 11.0, 900.0])]  # fmt: skip
+    assert report.end_to_end(cells)[("m", "t/1", "cc(mode=chunked)", 8)] == 11.0
+
+
 def test_cache_evolution_plot(tmp_path):
     record = {"model": "m", "task": "recall/1024", "sample": 0, "policy": "cc(mode=chunked)", "budget": 4,
               "score": 0.5, "prompt_tokens": 10, "evidence": [3], "evolution": [[0, 1, 2, 3], [0, 1, 5, 6],

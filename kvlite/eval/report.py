@@ -266,7 +266,9 @@ def end_to_end(records: list[dict]) -> dict[tuple, float]:
     """Seconds per sample to read the prompt and generate, by (model, task, policy, budget), the
     counter-causal paper's Table 1 column. Teacher forcing (an evaluation cost) is left out; the full
     cache's prompt is read once per sample (prefix_s) and every prefill-end cell replays it, so a
-    prefill-end cell is charged that prefix too; a chunked cell reads its prompt itself."""
+    prefill-end cell is charged that prefix too; a chunked cell reads its prompt itself. The median
+    over samples: a cell slowed by another job on a shared machine (or a paused run, whose clock
+    runs on) moves a mean by minutes and a median not at all."""
     prefix = {sample_key(r): r["time"]["prefix_s"] for r in records if "prefix_s" in r.get("time", {})}
     acc: dict[tuple, list[float]] = defaultdict(list)
     for r in records:
@@ -277,7 +279,7 @@ def end_to_end(records: list[dict]) -> dict[tuple, float]:
         if "mode=chunked" not in r["policy"]:
             own += prefix.get(sample_key(r), 0.0) if "prefix_s" not in t else t["prefix_s"]
         acc[(r["model"], r["task"], r["policy"], r["budget"])].append(own)
-    return {k: float(np.mean(v)) for k, v in acc.items()}
+    return {k: float(np.median(v)) for k, v in acc.items()}
 
 
 def write_plots(out: pathlib.Path, records: list[dict], rows: list[dict]) -> list[pathlib.Path]:
