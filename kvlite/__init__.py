@@ -6,8 +6,25 @@ loading numpy or llama.cpp until it needs them.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+import os as _os
+import signal as _signal
+import sys as _sys
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    _os.write(2, b"\nkvlite: interrupted\n")
+    _os._exit(130)
+
+
+# Run as the `kvlite` command, a Ctrl-C while modules import ends it with one line, as one at any
+# later moment does (cli.main puts Python's handler back once it runs). Imported as a library,
+# nothing changes.
+_argv0 = _os.path.normpath(_sys.argv[0]) if _sys.argv and _sys.argv[0] else ""
+if _os.path.basename(_argv0) == "kvlite" or _argv0.endswith(_os.path.join("kvlite", "__main__.py")):
+    _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -233,6 +233,9 @@ def cmd_chat(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The console script. Everything heavy (numpy, llama.cpp) is imported in here, so a Ctrl-C
     at any moment, imports included, ends with one line and exit status 130."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
     try:
         return _main(argv)
     except KeyboardInterrupt:

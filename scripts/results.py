@@ -427,6 +427,12 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   hold almost none of the evidence (1-10%). Replacing the token's own input by a neutral embedding
   (`cc-blind`) does not repair it here (it keeps a little more evidence, 5-10%, and nothing more is
   answered).
+- **Protecting the question** (kvpress's protocol: the closing question never evicted; tune split,
+  SmolLM2, 4K, 24 samples, prefill-end): no effect on any policy at 128 or 256 cells (every
+  difference 0.00 [0.00, 0.00]). The policies already keep the question: the kept sets are
+  identical with and without protection for every policy but TOVA (13 of 24 cells differ at 128, 5
+  at 256) and LAQ (1 cell), and no output changes except TOVA's, whose score stays 0. So it is not
+  a CLI option; it stays available to evaluations as `window=question`.
 - **Counter-causal in its own setting** (the decode-heavy table: chunked refresh while a six-item
   recall is generated, Qwen at 2K, J = 256, h = 32, 12 samples of the test split): the full cache
   recalls 0.89 of the items; StreamingLLM 0.26, SnapKV 0.26, EchoKV 0.25 and H2O 0.18, with wide,

@@ -176,6 +176,9 @@ def test_chat_survives_a_bad_line(tiny_paths):
     assert err.count("| cells") == 2  # both good lines were answered
 
 
+# From 0 s (CPython still starting: the signal ends it as SIGINT does) through the imports to the
+# generation. kvlite's handler is in place from its first import on; what precedes that is CPython's
+# own startup (site), a few milliseconds.
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8])
 def test_ctrl_c_at_any_moment_of_startup(tiny_paths, delay):
     proc = subprocess.Popen([*CMD, "generate", "-m", tiny_paths["llama"], "-p", "hello " * 200, "-n", "3000"],
