@@ -285,3 +285,16 @@ def test_multi_turn_tasks_run_per_turn_in_both_modes(tiny_paths, tmp_path):
     assert lazy["turns"][0] == "nothing evicted" and any(t.startswith("evicted") for t in lazy["turns"][1:])
     with pytest.raises(KvliteError, match="evict must be one of"):
         parse_spec("snapkv(evict=sometimes)")
+
+
+def test_gzipped_records_are_read_and_not_redone(tiny_paths, tmp_path, uninterrupted):
+    """A finished stage may keep its records gzipped (results-runs/): they count as done."""
+    import gzip
+
+    Grid(grid_cfg(tiny_paths, tmp_path)).run()
+    path = tmp_path / "samples.jsonl"
+    (tmp_path / "samples.jsonl.gz").write_bytes(gzip.compress(path.read_bytes()))
+    path.unlink()
+    assert len(read_records(tmp_path)) == 21
+    Grid(grid_cfg(tiny_paths, tmp_path)).run()
+    assert not path.exists() or path.read_text() == ""  # nothing was redone

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import pathlib
 
@@ -16,8 +17,10 @@ def record_key(r: dict) -> tuple:
 def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dict]:
     """Every record in a directory's sample files (a truncated last line, from a kill, is skipped)."""
     records: dict[tuple, dict] = {}
-    for path in sorted(out.glob(pattern)):
-        for line in path.read_text().splitlines():
+    # A finished stage's records may be stored gzipped (results-runs/ keeps large files small).
+    for path in sorted(out.glob(pattern)) + sorted(out.glob(pattern + ".gz")):
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        for line in text.splitlines():
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
