@@ -40,17 +40,19 @@ class Session:
         model: str | pathlib.Path | Model | None = None,
         policy: Policy | None = None,
         settings: RunSettings | None = None,
+        n_gpu_layers: int | None = None,
         **overrides,
     ):
         """model: a GGUF path, a loaded Model, or None for the default (SmolLM2-135M-Instruct);
         settings: how to run it (RunSettings; n_ctx 0 = as needed, see runner.plan_context), or
-        its fields as keywords (Session(policy=p, n_ctx=2048))."""
+        its fields as keywords (Session(policy=p, n_ctx=2048)); n_gpu_layers: -ngl when the model is
+        loaded here (None: all layers on a GPU build)."""
         try:
             self.settings = dataclasses.replace(settings or RunSettings(), **overrides)
         except TypeError:
             names = ", ".join(f.name for f in dataclasses.fields(RunSettings))
             raise KvliteError(f"unknown run setting in {sorted(overrides)}: the settings are {names}") from None
-        self.model = model if isinstance(model, Model) else Model(resolve_model(model))
+        self.model = model if isinstance(model, Model) else Model(resolve_model(model), n_gpu_layers=n_gpu_layers)
         self.policy = policy or FullKV()
         self.policy.validate()
         self._conversation: Conversation | None = None

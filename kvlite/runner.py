@@ -205,6 +205,7 @@ class Runner:
         try:
             scores = np.asarray(self.policy.scores(obs))
         finally:
+            obs.close()
             if self.cache.workspace_active:
                 self.cache.workspace_drop()  # lookahead cells never outlive the scoring
         if scores.shape != obs.positions.shape:
@@ -375,4 +376,5 @@ class Runner:
             "evicted": self.cache.evicted,
             "kept_positions": [int(p) for p in kept if p < n_prompt],
             "workspace_forward_passes": self.workspace_forward_passes,
+            "kv_buffers": self.ctx.kv_buffers,
         }

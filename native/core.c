@@ -3,31 +3,55 @@
 
 int kvl_abi_version(void) { return KVL_ABI_VERSION; }
 
-struct kvl_ctx * kvl_init(int n_threads) {
+// The kernels run on `device` (a ggml device name such as "CUDA0", "Metal" or "RPC0"; NULL or "":
+// none) with ggml's CPU backend beside it: the scheduler gives each op to the first backend that
+// supports it and its operands' buffers, so an op a device lacks, or one reading host weights (the
+// counter-causal pass maps the GGUF file), runs on the CPU. Inputs and the output cross with
+// ggml_backend_tensor_set/get, so no kernel ever reads device memory directly.
+struct kvl_ctx * kvl_init(int n_threads, const char * device) {
     struct kvl_ctx * c = calloc(1, sizeof(*c));
     if (!c) return NULL;
-    c->backend = ggml_backend_cpu_init();
-    if (!c->backend) { free(c); return NULL; }
-    ggml_backend_cpu_set_n_threads(c->backend, n_threads > 0 ? n_threads : 1);
-    c->galloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(c->backend));
-    if (!c->galloc) { ggml_backend_free(c->backend); free(c); return NULL; }
+    if (device && device[0]) {
+        ggml_backend_dev_t dev = ggml_backend_dev_by_name(device);
+        c->backends[c->n_backends] = dev ? ggml_backend_dev_init(dev, NULL) : NULL;
+        if (!c->backends[c->n_backends]) { free(c); return NULL; }
+        c->n_backends++;
+    }
+    ggml_backend_t cpu = ggml_backend_cpu_init();
+    if (!cpu) { kvl_free(c); return NULL; }
+    ggml_backend_cpu_set_n_threads(cpu, n_threads > 0 ? n_threads : 1);
+    c->backends[c->n_backends++] = cpu;
     return c;
 }
 
+const char * kvl_device(const struct kvl_ctx * c) { return ggml_backend_name(c->backends[0]); }
+
 void kvl_free(struct kvl_ctx * c) {
     if (!c) return;
-    ggml_gallocr_free(c->galloc);
-    ggml_backend_free(c->backend);
+    if (c->sched) ggml_backend_sched_free(c->sched);
+    for (int i = 0; i < c->n_backends; i++) ggml_backend_free(c->backends[i]);
     free(c);
 }
 
 int kvl_run(struct kvl_ctx * c, struct ggml_cgraph * gf, const struct kvl_input * inputs, int n_inputs,
             struct ggml_tensor * out, void * out_data) {
-    if (!ggml_gallocr_alloc_graph(c->galloc, gf)) return KVL_NO_MEMORY;
+    const size_t size = (size_t) ggml_graph_size(gf);
+    if (!c->sched || c->sched_size < size) {  // sized to the largest graph seen (a kernel's grows with its input)
+        if (c->sched) ggml_backend_sched_free(c->sched);
+        c->sched = ggml_backend_sched_new(c->backends, NULL, c->n_backends, size, false, false);
+        c->sched_size = c->sched ? size : 0;
+        if (!c->sched) return KVL_NO_MEMORY;
+    }
+    ggml_backend_sched_reset(c->sched);
+    for (int i = 0; i < n_inputs; i++) {
+        if (inputs[i].tensor) ggml_set_input(inputs[i].tensor);
+    }
+    ggml_set_output(out);
+    if (!ggml_backend_sched_alloc_graph(c->sched, gf)) return KVL_NO_MEMORY;
     for (int i = 0; i < n_inputs; i++) {
         if (inputs[i].tensor) ggml_backend_tensor_set(inputs[i].tensor, inputs[i].data, 0, ggml_nbytes(inputs[i].tensor));
     }
-    if (ggml_backend_graph_compute(c->backend, gf) != GGML_STATUS_SUCCESS) return KVL_COMPUTE_FAILED;
+    if (ggml_backend_sched_graph_compute(c->sched, gf) != GGML_STATUS_SUCCESS) return KVL_COMPUTE_FAILED;
     ggml_backend_tensor_get(out, out_data, 0, ggml_nbytes(out));
     return KVL_OK;
 }

@@ -14,7 +14,7 @@
 #include "ggml.h"
 
 // Bumped whenever a signature or a layout changes; Python refuses a library with another value.
-#define KVL_ABI_VERSION 9
+#define KVL_ABI_VERSION 10
 
 enum kvl_status {
     KVL_OK = 0,
@@ -46,11 +46,15 @@ static inline struct ggml_tensor * kvl_rope_ext(struct ggml_context * g, struct 
                          r->ext_factor, r->attn_factor, r->beta_fast, r->beta_slow);
 }
 
-// One ggml backend and graph allocator, reused across calls.
+// The backends kernels run on (a device, if one was named, then the CPU) and their scheduler,
+// reused across calls (see kvl_init).
 struct kvl_ctx {
-    ggml_backend_t backend;
-    ggml_gallocr_t galloc;
+    ggml_backend_t backends[2];
+    int n_backends;
+    ggml_backend_sched_t sched;
+    size_t sched_size;  // the graph size the scheduler was made for
 };
+void kvl_free(struct kvl_ctx * c);
 
 // Allocate gf's tensors, copy inputs in, compute, copy `out` back. Returns a kvl_status.
 struct kvl_input {

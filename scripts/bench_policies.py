@@ -16,26 +16,19 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
 
 from kvlite.engine import Model
-from kvlite.haystack import haystack
 from kvlite.models import default_model_path
 from kvlite.policies import make_policy
 from kvlite.runner import Runner, RunSettings, plan_context
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from bench_memory import generate_peak, prose_tokens  # noqa: E402
+
 ALL = "full,streaming,h2o,tova,snapkv,dapq,laq,echokv,cc,cc-fast"
-
-
-def prose_tokens(model: Model, n: int) -> list[int]:
-    text = "\n\n".join(haystack(10_000))
-    tokens = model.tokenize(text)
-    while len(tokens) < n:
-        tokens += tokens
-    return tokens[:n]
 
 
 def run_policy(model: Model, name: str, tokens: list[int], budget: int, n_decode: int) -> dict:
@@ -75,34 +68,10 @@ def bench_ttft(model: Model, lengths: list[int], policies: list[str], budget: in
 
 def chunked_run(prompt_file: str, name: str, cache: int, n_ctx: int) -> dict:
     """`kvlite generate` in its own process: its peak RSS is its own."""
-    kvlite = pathlib.Path(sys.executable).parent / "kvlite"
-    cmd = [str(kvlite), "generate", "-f", prompt_file, "-n", "16", "--json", "--policy", name,
-           "--cache", str(cache), "--chunk", "512", "-c", str(n_ctx)]  # fmt: skip
-    # The child's peak RSS is read from /proc while it runs: getrusage's ru_maxrss of a child
-    # counts the parent's RSS at fork time (Linux keeps the high-water mark across exec).
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        peak_kb = 0
-        while proc.poll() is None:
-            peak_kb = max(peak_kb, _vm_hwm_kb(proc.pid))
-            time.sleep(0.2)
-        if proc.returncode != 0:
-            err.seek(0)
-            raise SystemExit(f"{' '.join(cmd)} failed: {err.read().decode().strip()}")
-        out.seek(0)
-        result = json.loads(out.read())
-    return dict(max_cells=result["cache"]["max_cells"], prompt=result["prompt_tokens"],
-                seconds=result["timings"]["prefill_s"], rss_mb=peak_kb / 1024)  # fmt: skip
-
-
-def _vm_hwm_kb(pid: int) -> int:
-    try:
-        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass  # it just exited
-    return 0
+    r = generate_peak(prompt_file, "-n", "16", "--policy", name, "--cache", str(cache), "--chunk", "512",
+                      "-c", str(n_ctx))  # fmt: skip
+    return dict(max_cells=r["cache"]["max_cells"], prompt=r["prompt_tokens"], seconds=r["timings"]["prefill_s"],
+                rss_mb=r["peak_rss_mb"])  # fmt: skip
 
 
 def bench_chunked(model: Model, policies: list[str], long: int, n_ctx: int) -> list[dict]:

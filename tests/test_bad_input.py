@@ -96,6 +96,10 @@ CASES = {
     "-t -2": (["generate", "-m", TINY, "-p", "hi", "-t", "-2"], None, None, "-t must be a positive"),
     "-t 0": (["generate", "-m", TINY, "-p", "hi", "-t", "0"], None, None, "-t must be a positive"),
     "eval -t -2": (["eval", "-m", TINY, "-t", "-2", "--out", "{missing}-t"], None, None, "-t must be a positive"),
+    "--rpc no port": (["generate", "-m", TINY, "-p", "hi", "--rpc", "localhost"], None, None, "--rpc wants HOST:PORT"),
+    "--rpc nobody there": (["info", "-m", TINY, "--rpc", "127.0.0.1:1"], None, None, "no RPC server answers"),
+    "-ngl -1": (["generate", "-m", TINY, "-p", "hi", "-ngl", "-1"], None, None, "must be 0 or more"),
+    "eval -ngl -1": (["eval", "-m", TINY, "-ngl", "-1", "--out", "{missing}-g"], None, None, "-ngl must be 0 or more"),
     "-c 4": (["generate", "-m", TINY, "-p", "hi", "-c", "4"], None, None, "at least 256 cells"),
     "-c -1": (["generate", "-m", TINY, "-p", "hi", "-c", "-1"], None, None, "-c must be >= 0"),
     "full --mode chunked": (

@@ -5,13 +5,17 @@ export, not against kvlite's bookkeeping)."""
 from __future__ import annotations
 
 import os
+import tempfile
 
+import llama_cpp as L
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlite.cache import KVCache, runs
 from kvlite.engine import LIVE, WORKSPACE, Context, kvstate
+from kvlite.errors import KvliteError
 
 
 def check(cache: KVCache) -> None:
@@ -35,6 +39,42 @@ def test_state_blob_round_trips_byte_for_byte(tiny_model):
     state = kvstate.parse(blob)
     assert kvstate.build(state) == blob
     assert np.array_equal(state.positions(), cache.positions())
+
+
+def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path):
+    """The layer-at-a-time reader of llama.cpp's state file (what evictions read) gives the same cells,
+    keys and values as the in-memory export, with holes, for V stored both ways (flash attention off:
+    transposed; on: rows); a truncated file is an error, not short data."""
+    for fa in (False, True):
+        ctx = Context(tiny_model, n_ctx=128, n_batch=32, flash_attn=fa)
+        cache = KVCache(ctx)
+        cache.append(list(range(10, 60)))
+        cache.evict([p for p in range(50) if p % 3 == 0 or p == 49])
+        blob = kvstate.parse(ctx.state_get(LIVE)).streams[0]
+        assert blob.v_trans == (not fa)
+        with ctx.state_open(LIVE) as sf:
+            assert np.array_equal(sf.pos, blob.pos)
+            order = np.argsort(sf.pos)[::-1]
+            for il in range(sf.n_layer):
+                assert np.array_equal(sf.k(il), blob.k[il])
+                assert np.array_equal(sf.v(il), blob.v[il])
+                assert np.array_equal(sf.k(il, order), blob.k[il][order])
+        pos, k, v = cache.read_kv([1, 2])
+        assert np.array_equal(pos, cache.positions())
+        assert np.array_equal(k[1], blob.k[2][np.argsort(blob.pos)])
+        assert np.array_equal(v[0], blob.v[1][np.argsort(blob.pos)])
+        keys = cache.cached_keys(tiny_model.info.n_head_kv)
+        assert keys.layer(0).shape == (tiny_model.info.n_head_kv, len(pos), tiny_model.info.head_dim)
+        keys.close()
+        ctx.close()
+    assert not [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("kvlite-state-")]  # unlinked
+    ctx = Context(tiny_model, n_ctx=128, n_batch=32)
+    ctx.decode(list(range(10, 40)), range(30), LIVE)
+    path = tmp_path / "state.bin"
+    assert L.llama_state_seq_save_file(ctx.ptr, str(path).encode(), LIVE, None, 0)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(KvliteError, match="shorter"):
+        kvstate.StateFile(path)
 
 
 def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_model):

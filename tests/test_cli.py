@@ -24,6 +24,25 @@ def test_info_json_on_tiny_model(tiny_paths):
     assert facts["arch"] == "qwen2" and facts["rope_type"] == "neox"
     assert (facts["n_layer"], facts["n_head"], facts["n_head_kv"], facts["head_dim"]) == (2, 4, 1, 32)
     assert "streaming" in facts["policies"]
+    # The backend llama.cpp was built with, and the devices ggml enumerates (this machine: CPU only).
+    assert facts["gpu_offload"] == any(d["type"] in ("gpu", "igpu") for d in facts["devices"])
+    assert any(d["type"] == "cpu" and d["total_mib"] > 0 for d in facts["devices"])
+    assert "CPU" in facts["system_info"]
+    assert facts["kernels_on"] == "cpu" or facts["gpu_offload"]
+    assert facts["rpc"]  # setup.sh builds llama.cpp with RPC, which the offload tests use
+
+
+def test_ngl_on_this_build(tiny_paths):
+    """-ngl keeps llama.cpp's meaning; on a CPU build nothing is offloaded and a note says why."""
+    from kvlite.native import default_device
+
+    proc = run_cli("info", "-m", tiny_paths["qwen2"], "--json", "-ngl", "1")
+    assert proc.returncode == 0, proc.stderr
+    gpu = default_device() != "cpu"
+    assert json.loads(proc.stdout)["n_gpu_layers"] == (1 if gpu else 0)
+    proc = run_cli("generate", "-m", tiny_paths["qwen2"], "-p", "abc", "-n", "2", "-ngl", "99", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert ("-ngl is ignored" in proc.stderr) != gpu
 
 
 def test_generate_json_tiny_streaming(tiny_paths):

@@ -87,6 +87,20 @@ def test_attn_pool_max_and_causal_tail_match_torch(n_head, n_head_kv, n_q, n_key
         native().attn_pool(q, k, causal_tail=n_q + 1 if n_q + 1 <= n_keys else n_q - 1)
 
 
+@pytest.mark.parametrize("reduce,causal,pool_kernel", [("sum", False, 7), ("max", True, 0), ("sum", True, 3)])
+def test_attn_pool_in_query_blocks_matches_torch(reduce, causal, pool_kernel):
+    """Queries whose probabilities would pass the kernel's 16 MB go in blocks (here 4096 keys x 8
+    heads: 128 queries a block, so 300 queries make blocks of 128, 128 and 44) added up, or maxed,
+    on the host; pooling follows. Tolerance: a sum of up to 300 x 4 f32 probabilities carries at
+    most n * eps = 1200 * 6e-8 = 7e-5 relative error, so rtol 1e-4 (atol 1e-6 for the near-zero)."""
+    q, k = _inputs(2, 8, 2, 300, 4096, 16, np.float16, 5)
+    tail = 300 if causal else 0
+    got = native().attn_pool(q, k, reduce=reduce, causal_tail=tail, pool_kernel=pool_kernel)
+    qt, kt = torch.from_numpy(q).double(), torch.from_numpy(k.astype(np.float64))
+    want = attn_pool(qt, kt, reduce=reduce, causal_tail=tail, pool_kernel=pool_kernel).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_attn_pool_on_captured_queries_and_cached_keys(tiny_paths):
     """Real inputs: post-RoPE queries captured from llama.cpp and keys read from its cache."""
     model = Model(tiny_paths["llama"])

@@ -4,14 +4,17 @@ sequence (memory) operations and the per-sequence state export/import."""
 from __future__ import annotations
 
 import ctypes
+import os
+import tempfile
 from collections.abc import Sequence
 
 import llama_cpp as L
 import numpy as np
 
 from ..errors import KvliteError
+from . import kvstate
 from .capture import Capture
-from .model import LOG_ERRORS, Model, default_threads
+from .model import LOG_BUFFERS, LOG_ERRORS, Model, buffers_since, default_threads
 
 KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32}
 LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspace view
@@ -48,7 +51,9 @@ class Context:
         if capture is not None:
             p.cb_eval = capture.callback
             p.cb_eval_user_data = capture.user_data
+        mark = len(LOG_BUFFERS)
         self.ptr = L.llama_init_from_model(model.ptr, p)
+        self.kv_buffers = buffers_since(mark, "KV")  # where llama.cpp put the cache: {device: MiB}
         if not self.ptr:
             detail = LOG_ERRORS[-1] if LOG_ERRORS else "out of memory?"
             raise KvliteError(f"llama.cpp could not create a {n_ctx}-token context: {detail}")
@@ -122,6 +127,20 @@ class Context:
         written = L.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * n).from_buffer(blob), n, seq_id)
         del blob[written:]
         return blob
+
+    def state_open(self, seq_id: int) -> kvstate.StateFile:
+        """The sequence's state exported to a temporary file (TMPDIR) and opened to be read a layer at a
+        time: what reading the cache costs in memory is one layer, not the whole export. The file is
+        unlinked at once; its space returns when the StateFile closes."""
+        fd, path = tempfile.mkstemp(prefix="kvlite-state-", suffix=".bin")
+        os.close(fd)
+        try:
+            if not L.llama_state_seq_save_file(self.ptr, path.encode(), seq_id, None, 0):
+                detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
+                raise KvliteError(f"llama.cpp could not export sequence {seq_id} to {path} (disk full?): {detail}")
+            return kvstate.StateFile(path)
+        finally:
+            os.unlink(path)
 
     def state_set(self, blob: bytes | bytearray, seq_id: int) -> None:
         if isinstance(blob, bytearray):  # read in place

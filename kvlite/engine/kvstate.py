@@ -14,7 +14,9 @@ Cells come in cell-index order; a sequence's evicted cells are simply absent.
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
+from typing import BinaryIO
 
 import numpy as np
 
@@ -67,30 +69,73 @@ class SeqState:
 
 
 class _Reader:
+    """Reads the blob in memory."""
+
     def __init__(self, blob: bytes):
         self.b = memoryview(blob)
         self.o = 0
 
     def unpack(self, fmt: str):
+        n = struct.calcsize(fmt)
+        if self.o + n > len(self.b):
+            raise KvliteError("KV state blob is shorter than its header says")
         vals = struct.unpack_from(fmt, self.b, self.o)
-        self.o += struct.calcsize(fmt)
+        self.o += n
         return vals if len(vals) > 1 else vals[0]
 
-    def array(self, n_bytes: int, dtype: np.dtype | None) -> np.ndarray:
+    def skip(self, n_bytes: int) -> int:
+        """Step over n_bytes of tensor data; returns where they start."""
         if self.o + n_bytes > len(self.b):
             raise KvliteError("KV state blob is shorter than its header says")
-        a = np.frombuffer(self.b[self.o : self.o + n_bytes], dtype=np.uint8)
         self.o += n_bytes
-        return a.view(dtype) if dtype is not None else a
+        return self.o - n_bytes
+
+    def at_end(self) -> bool:
+        return self.o == len(self.b)
 
 
-def parse(blob: bytes) -> SeqState:
-    r = _Reader(blob)
-    magic, seq_id, n_stream = r.unpack("<IiI")
-    if magic != MAGIC:
-        raise KvliteError(f"unknown KV state format (magic {magic:#x}): kvlite needs llama-cpp-python 0.3.36")
-    streams: list[Stream | None] = []
-    for _ in range(n_stream):
+class _FileReader(_Reader):
+    """Reads a state file: small fields through the buffered file, tensor data skipped by seeking."""
+
+    def __init__(self, f: BinaryIO, size: int):
+        self.f, self.size = f, size
+
+    def unpack(self, fmt: str):
+        n = struct.calcsize(fmt)
+        raw = self.f.read(n)
+        if len(raw) != n:
+            raise KvliteError("KV state file is shorter than its header says")
+        vals = struct.unpack(fmt, raw)
+        return vals if len(vals) > 1 else vals[0]
+
+    def skip(self, n_bytes: int) -> int:
+        o = self.f.tell()
+        if o + n_bytes > self.size:
+            raise KvliteError("KV state file is shorter than its header says")
+        self.f.seek(n_bytes, 1)
+        return o
+
+    def at_end(self) -> bool:
+        return self.f.tell() == self.size
+
+
+@dataclasses.dataclass
+class _Layout:
+    """Where one stream's cells and tensors lie: k_at/v_at are the byte offsets of each layer's data."""
+
+    pos: np.ndarray
+    seq_ids: list[list[int]]
+    v_trans: int = 0
+    k_types: list[tuple] = dataclasses.field(default_factory=list)
+    v_types: list[tuple] = dataclasses.field(default_factory=list)
+    k_at: list[int] = dataclasses.field(default_factory=list)
+    v_at: list[int] = dataclasses.field(default_factory=list)
+
+
+def _walk(r: _Reader) -> list[_Layout | None]:
+    """The layout of every stream, from n_stream on (the one parser of the format)."""
+    streams: list[_Layout | None] = []
+    for _ in range(r.unpack("<I")):
         cells = r.unpack("<I")
         if cells == 0:
             streams.append(None)
@@ -100,32 +145,112 @@ def parse(blob: bytes) -> SeqState:
         for i in range(cells):
             pos[i], n_seq = r.unpack("<iI")
             seq_ids.append([r.unpack("<i") for _ in range(n_seq)])
-        st = Stream(pos=pos, seq_ids=seq_ids)
-        st.v_trans, n_layer = r.unpack("<II")
+        lay = _Layout(pos=pos, seq_ids=seq_ids)
+        lay.v_trans, n_layer = r.unpack("<II")
         for _ in range(n_layer):
             k_type, row = r.unpack("<iQ")
-            st.k_types.append((k_type, row))
-            st.k.append(_rows(r, cells, row, k_type))
+            lay.k_types.append((k_type, row))
+            lay.k_at.append(r.skip(cells * row))
         for _ in range(n_layer):
             v_type = r.unpack("<i")
-            if not st.v_trans:
+            if not lay.v_trans:
                 row = r.unpack("<Q")
-                st.v_types.append((v_type, row))
-                st.v.append(_rows(r, cells, row, v_type))
+                lay.v_types.append((v_type, row))
+                lay.v_at.append(r.skip(cells * row))
             else:
                 el, n_embd = r.unpack("<II")
-                st.v_types.append((v_type, el, n_embd))
-                st.v.append(r.array(n_embd * cells * el, _NUMPY.get(v_type)).reshape(n_embd, cells).T)
+                lay.v_types.append((v_type, el, n_embd))
+                lay.v_at.append(r.skip(n_embd * cells * el))
+        streams.append(lay)
+    if not r.at_end():
+        raise KvliteError("KV state has unexpected trailing bytes")
+    return streams
+
+
+def _view(raw: np.ndarray, cells: int, desc: tuple, v_trans: int = 0) -> np.ndarray:
+    """Typed rows [cells, n] of one layer's bytes (V stored transposed when v_trans)."""
+    dtype = _NUMPY.get(desc[0])
+    if v_trans:
+        return raw.view(dtype).reshape(desc[2], cells).T
+    return raw.view(dtype).reshape(cells, -1) if dtype is not None else raw.reshape(cells, desc[1])
+
+
+def parse(blob: bytes) -> SeqState:
+    r = _Reader(blob)
+    magic, seq_id = r.unpack("<Ii")
+    if magic != MAGIC:
+        raise KvliteError(f"unknown KV state format (magic {magic:#x}): kvlite needs llama-cpp-python 0.3.36")
+    data = np.frombuffer(blob, dtype=np.uint8)
+    streams: list[Stream | None] = []
+    for lay in _walk(r):
+        if lay is None:
+            streams.append(None)
+            continue
+        n = len(lay.pos)
+        st = Stream(pos=lay.pos, seq_ids=lay.seq_ids, v_trans=lay.v_trans, k_types=lay.k_types, v_types=lay.v_types)
+        st.k = [_view(data[o : o + n * t[1]], n, t) for o, t in zip(lay.k_at, lay.k_types)]
+        v_bytes = [n * t[1] if not lay.v_trans else n * t[1] * t[2] for t in lay.v_types]
+        st.v = [_view(data[o : o + b], n, t, lay.v_trans) for o, b, t in zip(lay.v_at, v_bytes, lay.v_types)]
         streams.append(st)
-    if r.o != len(blob):
-        raise KvliteError(f"KV state blob has {len(blob) - r.o} unexpected trailing bytes")
     return SeqState(seq_id=seq_id, streams=streams)
 
 
-def _rows(r: _Reader, cells: int, row_bytes: int, ggml_type: int) -> np.ndarray:
-    dtype = _NUMPY.get(ggml_type)
-    a = r.array(cells * row_bytes, None)
-    return a.view(dtype).reshape(cells, -1) if dtype is not None else a.reshape(cells, row_bytes)
+FILE_MAGIC, FILE_VERSION = 0x67677371, 3  # "ggsq": llama_state_seq_save_file's header
+
+
+class StateFile:
+    """One sequence's state as `llama_state_seq_save_file` wrote it, read a layer at a time.
+
+    The file is the blob of `llama_state_seq_get_data` from n_stream on, after a header (magic,
+    version, token count, tokens). llama.cpp writes it one tensor range at a time, so neither side
+    ever holds the whole export in memory (at 8K tokens on SmolLM2 the blob is ~190 MB: the largest
+    part of an eviction's memory peak when it was read from memory). Only the kv_unified case of one
+    stream is read."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.f = open(path, "rb")  # noqa: SIM115 (held until close)
+        try:
+            size = os.fstat(self.f.fileno()).st_size
+            r = _FileReader(self.f, size)
+            magic, version, n_tokens = r.unpack("<III")
+            if magic != FILE_MAGIC or version != FILE_VERSION:
+                raise KvliteError(f"not a llama-cpp-python 0.3.36 state file (magic {magic:#x}, version {version})")
+            r.skip(4 * n_tokens)
+            streams = [s for s in _walk(r) if s is not None]
+            if len(streams) != 1:
+                raise KvliteError(f"reading a state file expects one KV stream, found {len(streams)}")
+        except BaseException:
+            self.f.close()
+            raise
+        self.layout = streams[0]
+        self.pos = self.layout.pos
+        self.n_layer = len(self.layout.k_at)
+
+    def k(self, il: int, order: np.ndarray | None = None) -> np.ndarray:
+        """Layer il's K rows [cells, n_embd_k], in cell order or in `order`."""
+        return self._read(self.layout.k_at[il], self.layout.k_types[il], order)
+
+    def v(self, il: int, order: np.ndarray | None = None) -> np.ndarray:
+        """Layer il's V rows [cells, n_embd_v] (transposed back when llama.cpp stores V transposed)."""
+        return self._read(self.layout.v_at[il], self.layout.v_types[il], order, self.layout.v_trans)
+
+    def _read(self, offset: int, desc: tuple, order: np.ndarray | None, v_trans: int = 0) -> np.ndarray:
+        n = len(self.pos)
+        raw = np.empty(n * desc[1] * (desc[2] if v_trans else 1), np.uint8)
+        self.f.seek(offset)
+        if self.f.readinto(memoryview(raw)) != len(raw):
+            raise KvliteError("KV state file is shorter than its header says")
+        rows = _view(raw, n, desc, v_trans)
+        return rows if order is None else rows[order]
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self) -> StateFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def build(state: SeqState) -> bytes:

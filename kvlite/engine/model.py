@@ -15,6 +15,7 @@ from ..models import ModelInfo, read_model_info
 
 _log_callback = None
 LOG_ERRORS: list[str] = []  # llama.cpp's error lines, kept for the messages of failures
+LOG_BUFFERS: list[str] = []  # its "<device> <kind> buffer size = N MiB" lines: where it placed what
 
 
 def quiet_llama_logs() -> None:
@@ -28,6 +29,9 @@ def quiet_llama_logs() -> None:
         if level == 4 and text:
             LOG_ERRORS.append(text.decode(errors="replace").strip())
             del LOG_ERRORS[:-20]
+        elif text and b"buffer size =" in text:
+            LOG_BUFFERS.append(text.decode(errors="replace").strip())
+            del LOG_BUFFERS[:-50]
 
     _log_callback = _callback
     L.llama_log_set(_callback, None)
@@ -37,17 +41,44 @@ quiet_llama_logs()
 L.llama_backend_init()
 
 
+def buffers_since(mark: int, kind: str) -> dict[str, float]:
+    """{device: MiB} of the `kind` buffers ("model", "KV", "compute") llama.cpp logged after
+    LOG_BUFFERS had `mark` lines (e.g. {"RPC0[127.0.0.1:50052]": 0.09} for an offloaded cache)."""
+    out: dict[str, float] = {}
+    for line in LOG_BUFFERS[mark:]:
+        head, _, size = line.partition(f" {kind} buffer size =")
+        if size:
+            out[head.split(":", 1)[1].strip()] = float(size.split()[0])
+    return out
+
+
 def default_threads() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
+
+
+def offloaded_layers(n_gpu_layers: int | None, n_layer: int) -> int:
+    """What -ngl means here: None = every layer when ggml sees a GPU (CUDA, Metal, or an RPC server
+    added with --rpc); never more than the model's layers plus its output layer (llama.cpp counts
+    that one too); 0 without a GPU."""
+    from ..native import default_device
+
+    if n_gpu_layers is not None and n_gpu_layers < 0:
+        raise KvliteError(f"-ngl must be 0 or more layers, got {n_gpu_layers}")
+    if default_device() == "cpu":
+        return 0
+    return n_layer + 1 if n_gpu_layers is None else min(n_gpu_layers, n_layer + 1)
 
 
 class Model:
     """Weights and vocabulary, shared by every context made from them."""
 
-    def __init__(self, path: str | pathlib.Path, use_extra_bufts: bool = False):
+    def __init__(self, path: str | pathlib.Path, use_extra_bufts: bool = False, n_gpu_layers: int | None = None):
+        """n_gpu_layers: llama.cpp's -ngl, layers whose weights (and KV cache) live on the GPU;
+        None: all of them when llama.cpp was built with a GPU backend (0 on a CPU build)."""
         self.info: ModelInfo = read_model_info(path)  # validates before llama.cpp sees the file
         params = L.llama_model_default_params()
-        params.n_gpu_layers = 0 if not L.llama_supports_gpu_offload() else 999
+        self.n_gpu_layers = offloaded_layers(n_gpu_layers, self.info.n_layer)
+        params.n_gpu_layers = self.n_gpu_layers
         # On CPU builds the AMX/repack buffers crash the first decode on AMX-capable CPUs (notes).
         params.use_extra_bufts = use_extra_bufts
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)

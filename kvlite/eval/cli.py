@@ -67,6 +67,9 @@ def add_parser(sub) -> None:
     p.add_argument("--evolution", action="store_true", default=None,
                    help="chunked cells record the positions kept at every refresh (cache-evolution plots)")  # fmt: skip
     p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--rpc", default=None, metavar="SERVERS", help="comma-separated HOST:PORT of ggml RPC servers")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
+                   help="layers to offload to the GPU (default: all on a CUDA or Metal build)")  # fmt: skip
     p.add_argument("--shard", default=None, help="i/n: run every n-th sample starting at the i-th")
     p.add_argument("--out", default=None, help="output directory (default eval-out)")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="merge shard directories into --out, run nothing")
@@ -82,9 +85,13 @@ def cmd_eval(args) -> int:
 
     overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
                                                "n", "seed", "split", "depth", "policies", "budgets", "n_predict",
-                                               "max_length", "diagnostics", "evolution", "threads", "shard",
-                                               "out")}  # fmt: skip
+                                               "max_length", "diagnostics", "evolution", "threads", "n_gpu_layers",
+                                               "shard", "out")}  # fmt: skip
     cfg = GridConfig.load(args.config, overrides)
+    if args.rpc:
+        from ..native import rpc_add_servers
+
+        rpc_add_servers(args.rpc)
     out = cfg.out_dir
     failures = 0
     if args.merge:

@@ -62,6 +62,7 @@ class GridConfig:
     diagnostics_budget: int = 128
     diagnostics_workspace: int = 256
     threads: int | None = None
+    n_gpu_layers: int | None = None  # -ngl (None: all layers on a GPU build)
     shard: str = "1/1"
     out: str = "eval-out"
 
@@ -97,6 +98,8 @@ class GridConfig:
             raise KvliteError(f"n must be >= 0, got {self.n}")
         if self.threads is not None and self.threads <= 0:
             raise KvliteError(f"-t must be a positive number of threads, got {self.threads}")
+        if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
+            raise KvliteError(f"-ngl must be 0 or more layers, got {self.n_gpu_layers}")
         if self.split not in tasks.SPLITS:
             raise KvliteError(f"--split must be one of {', '.join(tasks.SPLITS)}, got '{self.split}'")
         if self.tasks is None:
@@ -257,7 +260,7 @@ class Grid:
         done = {record_key(r) for r in read_records(self.out)}
         for model_arg in cfg.models:
             path = resolve_model(None if model_arg == "default" else model_arg)
-            model = Model(path)
+            model = Model(path, n_gpu_layers=cfg.n_gpu_layers)
             label = model_label(path)
             try:
                 for sample in self._samples(model):

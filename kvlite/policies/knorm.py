@@ -25,7 +25,8 @@ class KNorm(Policy):
     first_layer: int = param(0, "--first-layer", "knorm: the first layer whose key norms count", minimum=0)
 
     def scores(self, obs: Observation) -> np.ndarray:
-        keys = obs.keys[self.first_layer :].astype(np.float32)  # [L, Hkv, n, D]
-        if not len(keys):
+        if self.first_layer >= obs.info.n_layer:
             raise KvliteError(f"{self.flag('first_layer')} {self.first_layer}: the model has {obs.info.n_layer} layers")
-        return -np.linalg.norm(keys, axis=-1).mean(axis=(0, 1))  # low norm = kept first
+        layers = range(self.first_layer, obs.info.n_layer)
+        norms = [np.linalg.norm(obs.keys.layer(il).astype(np.float32), axis=-1).mean(axis=0) for il in layers]
+        return -np.mean(norms, axis=0)  # low norm = kept first

@@ -81,9 +81,9 @@ class KVzip(Policy):
         pos = obs.positions
         n = len(pos)
         tokens = obs.cache.tokens_at(pos)
-        keys = obs.keys  # [L, Hkv, n, D]
+        keys = obs.keys  # a layer at a time: [Hkv, n, D]
         sink = min(self.sinks, n)
-        out = np.full(keys.shape[:3], np.inf)  # the sinks are in every pass's softmax and always kept
+        out = np.full((keys.n_layer, keys.n_head_kv, n), np.inf)  # the sinks are in every pass's softmax, always kept
         for c0 in range(sink, n, self.repeat_chunk):
             c1 = min(c0 + self.repeat_chunk, n)
             previous = None if c0 == sink else tokens[max(sink, c0 - POSTFIX) : c0]
@@ -92,9 +92,11 @@ class KVzip(Policy):
                 q, k = look.reconstruct(repeat_prompt(obs.model, previous) + tokens[c0:c1])
             finally:
                 look.close()
-            ks = np.concatenate([keys[:, :, :sink], keys[:, :, c0:c1], k.astype(keys.dtype)], axis=2)
-            s = native().attn_pool(q, ks, reduce="max", causal_tail=q.shape[2])  # [L, Hkv, sink + chunk + pass]
-            out[:, :, c0:c1] = s[:, :, sink : sink + c1 - c0]
+            for il in range(keys.n_layer):
+                cached = keys.layer(il)
+                ks = np.concatenate([cached[:, :sink], cached[:, c0:c1], k[il].astype(cached.dtype)], axis=1)
+                s = native().attn_pool(q[il : il + 1], ks[None], reduce="max", causal_tail=q.shape[2])
+                out[il, :, c0:c1] = s[0, :, sink : sink + c1 - c0]  # s: [1, Hkv, sink + chunk + pass]
         return out
 
 

@@ -20,7 +20,7 @@ from ..scoring.aggregate import aggregate
 from ..scoring.proposals import proposals
 
 if TYPE_CHECKING:
-    from ..cache import KVCache
+    from ..cache import CachedKeys, KVCache
     from ..engine import Model
 
 
@@ -51,11 +51,17 @@ class Observation:
 
     # -- what the prefill left ------------------------------------------------------------------
     @functools.cached_property
-    def keys(self) -> np.ndarray:
-        """Cached post-RoPE keys of the resident cells, from llama.cpp's state: [L, Hkv, n, D] f16."""
-        pos, keys = self.cache.read_keys(self.info.n_head_kv)
-        assert np.array_equal(pos, self.positions)
+    def keys(self) -> CachedKeys:
+        """Cached post-RoPE keys of the resident cells, from llama.cpp's state, a layer at a time:
+        keys.layer(il) is [Hkv, n, D] f16 in the order of `positions`."""
+        keys = self.cache.cached_keys(self.info.n_head_kv)
+        assert np.array_equal(keys.positions, self.positions)
         return keys
+
+    def close(self) -> None:
+        """Let go of what the observation read (the keys' state file)."""
+        if "keys" in self.__dict__:
+            self.__dict__.pop("keys").close()
 
     def last_queries(self, n: int, kind: str = "q") -> np.ndarray:
         """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D]."""
@@ -65,8 +71,11 @@ class Observation:
         return np.ascontiguousarray(rows[:, -n:].transpose(0, 2, 1, 3))
 
     def pooled(self, queries: np.ndarray, pool_kernel: int = 0) -> np.ndarray:
-        """EchoKV Eq. 3 of these queries over every resident cell: [L, Hkv, n]."""
-        return native().attn_pool(queries, self.keys, pool_kernel=pool_kernel)
+        """EchoKV Eq. 3 of these queries over every resident cell: [L, Hkv, n], a layer at a time."""
+        keys = self.keys
+        pool = native().attn_pool
+        return np.concatenate([pool(queries[il : il + 1], keys.layer(il)[None], pool_kernel=pool_kernel)
+                               for il in range(keys.n_layer)])  # fmt: skip
 
     def token_scores(self, queries: np.ndarray, aggregation: str, pool_kernel: int, budget: int) -> np.ndarray:
         return aggregate(self.pooled(queries, pool_kernel), aggregation, budget)

@@ -28,6 +28,8 @@ def proposals(info: ModelInfo, anchors: np.ndarray, positions: Sequence[int]) ->
     n_layer, n_anchor, n_head, d = anchors.shape
     pos = np.asarray(positions, dtype=np.int32)
     t = len(pos)
-    x = np.repeat(anchors.reshape(n_layer * n_anchor, 1, n_head, d), t, axis=1).reshape(-1, n_head, d)
-    rotated = rope(info, x, np.tile(pos, n_layer * n_anchor))
-    return np.ascontiguousarray(rotated.reshape(n_layer, n_anchor * t, n_head, d).transpose(0, 2, 1, 3))
+    out = np.empty((n_layer, n_head, n_anchor * t, d), np.float32)
+    for il in range(n_layer):  # a layer at a time: the temporaries stay one layer's (EchoKV's 16 x 24 are 27 MB in all)
+        x = np.repeat(anchors[il].reshape(n_anchor, 1, n_head, d), t, axis=1).reshape(-1, n_head, d)
+        out[il] = rope(info, x, np.tile(pos, n_anchor)).transpose(1, 0, 2)
+    return out

@@ -1,0 +1,102 @@
+"""Peak memory of an eviction: each policy's `kvlite generate` peak RSS against `--policy full`.
+
+One process per policy (so each peak is its own), the same prompt (prose, 8K tokens of SmolLM2 by
+default), prefill-end eviction to --budget. Target (issue 12): every scored policy within 1.15x
+of full. The ratio is the number to read; absolute MB depend on the build and the allocator.
+Memory does not depend on what else runs, so this can share the CPU (its seconds cannot).
+
+usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+from kvlite.engine import Model
+from kvlite.haystack import haystack
+from kvlite.models import default_model_path
+
+POLICIES = "full,streaming,h2o,tova,snapkv,laq,echokv,knorm,kvzip,cc,cc-fast"
+TARGET = 1.15
+
+
+def prose_tokens(model: Model, n: int) -> list[int]:
+    """n tokens of the docstring haystack (repeated if it runs short)."""
+    tokens = model.tokenize("\n\n".join(haystack(10_000)))
+    while len(tokens) < n:
+        tokens += tokens
+    return tokens[:n]
+
+
+def generate_peak(prompt_file: str, *flags: str) -> dict:
+    """`kvlite generate -f prompt_file --json FLAGS` in its own process: its JSON and its peak RSS (MB).
+
+    The peak is read from /proc while the child runs: getrusage's ru_maxrss of a child counts the
+    parent's RSS at fork time (Linux keeps the high-water mark across exec)."""
+    kvlite = pathlib.Path(sys.executable).parent / "kvlite"
+    cmd = [str(kvlite), "generate", "-f", prompt_file, "--json", *flags]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        peak_kb = 0
+        while proc.poll() is None:
+            peak_kb = max(peak_kb, _vm_hwm_kb(proc.pid))
+            time.sleep(0.05)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed: {err.read().decode().strip()}")
+        out.seek(0)
+        result = json.loads(out.read())
+    result["peak_rss_mb"] = peak_kb / 1024
+    return result
+
+
+def _vm_hwm_kb(pid: int) -> int:
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass  # it just exited
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192, help="prompt tokens")
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--policies", default=POLICIES, help="comma-separated; full is always run first")
+    ap.add_argument("-n", "--n-predict", type=int, default=16)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    model = Model(default_model_path())
+    names = ["full", *(p for p in args.policies.split(",") if p and p != "full")]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        prompt = os.path.join(d, "prompt.txt")
+        pathlib.Path(prompt).write_text(model.detokenize(prose_tokens(model, args.tokens)))
+        del model
+        for name in names:
+            budget = [] if name == "full" else ["--budget", str(args.budget)]
+            r = generate_peak(prompt, "--policy", name, *budget, "-n", str(args.n_predict))
+            rows.append(dict(policy=name, peak_rss_mb=r["peak_rss_mb"], prompt_tokens=r["prompt_tokens"],
+                             max_cells=r["cache"]["max_cells"], evict_s=r["timings"].get("evict_s")))  # fmt: skip
+            full = rows[0]["peak_rss_mb"]
+            ratio = r["peak_rss_mb"] / full
+            mark = "" if name == "full" else ("  ok" if ratio <= TARGET else f"  over {TARGET}x")
+            if not args.json:
+                print(f"{name:10s} {r['prompt_tokens']:6d} tokens  peak RSS {r['peak_rss_mb']:7.0f} MB  "
+                      f"{ratio:5.2f}x full{mark}", flush=True)  # fmt: skip
+    if args.json:
+        full = rows[0]["peak_rss_mb"]
+        print(json.dumps([dict(r, vs_full=r["peak_rss_mb"] / full) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
