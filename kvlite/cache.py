@@ -122,17 +122,6 @@ class KVCache:
             raise KvliteError(f"drop the workspace before {purpose}")
         return self.ctx.state_open(LIVE)
 
-    def _live_state(self, purpose: str) -> tuple[bytes, kvstate.SeqState, kvstate.Stream]:
-        """The live sequence's state blob, parsed, and its one KV stream (kv_unified)."""
-        if self.workspace_active:
-            raise KvliteError(f"drop the workspace before {purpose}")
-        blob = self.ctx.state_get(LIVE)
-        state = kvstate.parse(blob)
-        streams = [s for s in state.streams if s is not None]
-        if len(streams) != 1:
-            raise KvliteError(f"{purpose} expects one KV stream, found {len(streams)}")
-        return blob, state, streams[0]
-
     def llama_positions(self, seq_id: int) -> np.ndarray:
         """The positions llama.cpp itself holds for a sequence, read from its state export."""
         return kvstate.parse(self.ctx.state_get(seq_id)).positions()
@@ -200,16 +189,15 @@ class KVCache:
 
         Exports the live sequence, clears the pool and loads it back. Cached values are copied
         bit for bit, so only the speed changes."""
-        blob, state, st = self._live_state("compacting")
-        ordered = st.take(np.argsort(st.pos, kind="stable"))
-        state.streams = [ordered if s is not None else None for s in state.streams]
-        self.ctx.clear()
-        try:
-            self.ctx.state_set(kvstate.build(state), LIVE)
-        except KvliteError:
+        with self._live_file("compacting") as sf:  # the file, not state_get: see kvstate.StateFile
+            ordered = kvstate.build(kvstate.SeqState(LIVE, [sf.stream(np.argsort(sf.pos, kind="stable"))]))
             self.ctx.clear()
-            self.ctx.state_set(blob, LIVE)  # put back what was there; the cache stays consistent
-            raise
+            try:
+                self.ctx.state_set(ordered, LIVE)
+            except KvliteError:
+                self.ctx.clear()  # put back what was there: the cache stays consistent
+                self.ctx.state_set(kvstate.build(kvstate.SeqState(LIVE, [sf.stream()])), LIVE)
+                raise
 
     # -- workspace view (sequence 1) --------------------------------------------------------------
     def workspace_create(self, keep: Iterable[int]) -> None:

@@ -12,9 +12,9 @@
 #include "gguf.h"
 #include "kvl.h"
 
-// Query rows per attention block: the [n, block, H] f32 score matrix stays near 64 MB.
+// Rows per block: a block's [n, block, H] f32 score matrix stays near 16 MB.
 static int kvl_cc_block(int n, int n_head) {
-    const size_t b = (64u << 20) / (4u * (size_t) n * (size_t) n_head);
+    const size_t b = (16u << 20) / (4u * (size_t) n * (size_t) n_head);
     return b < 1 ? 1 : (b > (size_t) n ? n : (int) b);
 }
 
@@ -103,39 +103,28 @@ fail:
     return NULL;
 }
 
-// Attention of every query over the cached K/V of one layer, cells in *descending* position
-// order: cell i attends to cells 0 .. i-1-gap, the later positions at least gap cells away. That
-// is ggml's causal mask once queries are shifted by 1 + gap (query row r is cell r + 1 + gap,
-// seeing columns 0 .. r); cells 0 .. gap have nothing to attend to and get a zero attention
-// output. Queries go in blocks so the score matrix stays near 64 MB whatever n is. n > gap + 1.
-// Returns [D * H, n].
+// Attention of query rows [a, a + len) over the cached K/V of one layer, cells in *descending*
+// position order: cell i attends to cells 0 .. i-1-gap, the later positions at least gap cells
+// away (ggml's causal mask with n_past = a - 1 - gap). Requires a > gap. Only the keys the rows
+// can see are read (and widened, f16 to f32: a mixed product would round the queries to f16).
+//   q: [D, H, len] (roped); k, v: [D, Hkv, n]. Returns [D * H, len].
 static struct ggml_tensor * kvl_cc_attention(struct ggml_context * g, const struct kvl_hparams * hp,
                                              struct ggml_tensor * q, struct ggml_tensor * k, struct ggml_tensor * v,
-                                             int n, int gap, int block) {
-    const int D = hp->head_dim, H = hp->n_head;
-    struct ggml_tensor * kp = ggml_permute(g, k, 0, 2, 1, 3);               // [D, n, Hkv]
-    struct ggml_tensor * vt = ggml_cont(g, ggml_permute(g, v, 1, 2, 0, 3));  // [n, D, Hkv]
-    struct ggml_tensor * qp = ggml_permute(g, q, 0, 2, 1, 3);               // [D, n, H]
-    struct ggml_tensor * out = NULL;
-    const int rows = n - 1 - gap;
-    for (int r0 = 0; r0 < rows; r0 += block) {
-        const int len = r0 + block <= rows ? block : rows - r0;
-        struct ggml_tensor * qb =
-            ggml_view_3d(g, qp, D, len, H, qp->nb[1], qp->nb[2], (size_t) (r0 + 1 + gap) * qp->nb[1]);
-        // this block's rows see columns 0 .. r0 + len - 1 at most: skip the rest of the cells
-        const int nk = r0 + len;
-        struct ggml_tensor * kb = ggml_view_3d(g, kp, D, nk, kp->ne[2], kp->nb[1], kp->nb[2], 0);
-        struct ggml_tensor * vb = ggml_view_3d(g, vt, nk, D, vt->ne[2], vt->nb[1], vt->nb[2], 0);
-        struct ggml_tensor * kq = ggml_scale(g, ggml_mul_mat(g, kb, qb), 1.0f / sqrtf((float) D));  // [nk, len, H]
-        kq = ggml_soft_max(g, ggml_diag_mask_inf(g, kq, r0));
-        struct ggml_tensor * o = ggml_mul_mat(g, vb, kq);  // [D, len, H]
-        o = ggml_reshape_2d(g, ggml_cont(g, ggml_permute(g, o, 0, 2, 1, 3)), D * H, len);
-        out = out ? ggml_concat(g, out, o, 1) : o;
+                                             int a, int len, int gap) {
+    const int D = hp->head_dim, H = hp->n_head, nk = a + len - 1 - gap;
+    struct ggml_tensor * kb = ggml_view_3d(g, k, D, k->ne[1], nk, k->nb[1], k->nb[2], 0);
+    struct ggml_tensor * vb = ggml_view_3d(g, v, D, v->ne[1], nk, v->nb[1], v->nb[2], 0);
+    if (kb->type != GGML_TYPE_F32) {
+        kb = ggml_cast(g, kb, GGML_TYPE_F32);
+        vb = ggml_cast(g, vb, GGML_TYPE_F32);
     }
-    for (int i = 0; i <= gap; i++) {  // zero columns for the cells with nothing to attend to
-        out = ggml_concat(g, ggml_scale(g, ggml_view_2d(g, out, D * H, 1, out->nb[1], 0), 0.0f), out, 1);
-    }
-    return out;
+    struct ggml_tensor * kp = ggml_permute(g, kb, 0, 2, 1, 3);               // [D, nk, Hkv]
+    struct ggml_tensor * vt = ggml_cont(g, ggml_permute(g, vb, 1, 2, 0, 3));  // [nk, D, Hkv]
+    struct ggml_tensor * qp = ggml_permute(g, q, 0, 2, 1, 3);                // [D, len, H]
+    struct ggml_tensor * kq = ggml_scale(g, ggml_mul_mat(g, kp, qp), 1.0f / sqrtf((float) D));  // [nk, len, H]
+    kq = ggml_soft_max(g, ggml_diag_mask_inf(g, kq, a - 1 - gap));
+    struct ggml_tensor * o = ggml_mul_mat(g, vt, kq);  // [D, len, H]
+    return ggml_reshape_2d(g, ggml_cont(g, ggml_permute(g, o, 0, 2, 1, 3)), D * H, len);
 }
 
 // Logits (normalized = 0) or log-probabilities (normalized = 1) of x_i at every cell i, from
@@ -146,8 +135,11 @@ static struct ggml_tensor * kvl_cc_attention(struct ggml_context * g, const stru
 //   hidden:      f32 [n, n_embd], the input of first_layer (required when first_layer > 0; at layer 0,
 //                NULL reads the token embeddings, and rows given replace them)
 //   out:         f32 [n]; the first gap + 1 cells see nothing: their values mean nothing
-//   block:       query rows per attention block (0: keep the score matrix near 64 MB)
+//   block:       rows per block (0: keep a block's score matrix near 16 MB)
 //   n >= gap + 2
+// A row's pass reads the cached K/V, never another row's hidden state, so the rows go in blocks,
+// one graph each, all layers deep: memory is one block's activations plus K/V, which are copied
+// to the backend once and shared by every block.
 int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first_layer, int normalized, int gap,
                        int block, int n,
                        const int32_t * tokens, const int32_t * pos, const void * k, const void * v, int kv_type,
@@ -158,56 +150,72 @@ int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first
     if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
     const int D = hp->head_dim, Hkv = hp->n_head_kv, n_used = hp->n_layer - first_layer;
     if (block <= 0) block = kvl_cc_block(n, hp->n_head);
-    const size_t n_nodes = 256 + (size_t) n_used * (64 + 16 * ((size_t) n / block + 1));
-    struct ggml_init_params ip = {ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false), NULL,
-                                  true};
-    struct ggml_context * g = ggml_init(ip);
-    if (!g) return KVL_NO_MEMORY;
 
-    struct ggml_tensor * t_tok = ggml_new_tensor_1d(g, GGML_TYPE_I32, n);
-    struct ggml_tensor * t_pos = ggml_new_tensor_1d(g, GGML_TYPE_I32, n);
-    struct ggml_tensor * t_k = ggml_new_tensor_4d(g, (enum ggml_type) kv_type, D, Hkv, n, n_used);
-    struct ggml_tensor * t_v = ggml_new_tensor_4d(g, (enum ggml_type) kv_type, D, Hkv, n, n_used);
-    // The input rows of first_layer: required from layer 1 on; at layer 0 they replace the token
-    // embeddings when given (kvlite's blind variant feeds a neutral row there).
-    struct ggml_tensor * t_h = first_layer > 0 || hidden ? ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, n) : NULL;
-    ggml_set_input(t_tok);
-    ggml_set_input(t_pos);
-    ggml_set_input(t_k);
-    ggml_set_input(t_v);
-    if (t_h) ggml_set_input(t_h);
+    struct ggml_init_params kp = {ggml_tensor_overhead() * 2, NULL, true};
+    struct ggml_context * gkv = ggml_init(kp);
+    if (!gkv) return KVL_NO_MEMORY;
+    struct ggml_tensor * t_k = ggml_new_tensor_4d(gkv, (enum ggml_type) kv_type, D, Hkv, n, n_used);
+    struct ggml_tensor * t_v = ggml_new_tensor_4d(gkv, (enum ggml_type) kv_type, D, Hkv, n, n_used);
+    ggml_backend_buffer_t kv_buf = ggml_backend_alloc_ctx_tensors(gkv, c->backends[0]);
+    if (!kv_buf) { ggml_free(gkv); return KVL_NO_MEMORY; }
+    ggml_backend_tensor_set(t_k, k, 0, ggml_nbytes(t_k));
+    ggml_backend_tensor_set(t_v, v, 0, ggml_nbytes(t_v));
 
-    struct ggml_tensor * x = t_h ? t_h : ggml_get_rows(g, m->tok_embd, t_tok);  // [n_embd, n]
-    for (int il = first_layer; il < hp->n_layer; il++) {
-        const struct kvl_layer * L = &m->layers[il];
-        const size_t lo = (size_t) (il - first_layer);
-        struct ggml_tensor * cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->attn_norm);
-        struct ggml_tensor * q = ggml_mul_mat(g, L->wq, cur);
-        if (L->bq) q = ggml_add(g, q, L->bq);
-        q = kvl_rope_ext(g, ggml_reshape_3d(g, q, D, hp->n_head, n), t_pos, &hp->rope);
-        struct ggml_tensor * kl = ggml_view_3d(g, t_k, D, Hkv, n, t_k->nb[1], t_k->nb[2], lo * t_k->nb[3]);
-        struct ggml_tensor * vl = ggml_view_3d(g, t_v, D, Hkv, n, t_v->nb[1], t_v->nb[2], lo * t_v->nb[3]);
-        if (kv_type != GGML_TYPE_F32) {  // widen: a mixed product would round the queries to f16
-            kl = ggml_cast(g, kl, GGML_TYPE_F32);
-            vl = ggml_cast(g, vl, GGML_TYPE_F32);
+    int rc = KVL_OK;
+    const size_t n_nodes = 256 + (size_t) n_used * 96;
+    for (int r0 = 0; r0 < n && rc == KVL_OK; r0 += block) {
+        const int len = r0 + block <= n ? block : n - r0;
+        const int z = gap + 1 - r0 > len ? len : (gap + 1 - r0 > 0 ? gap + 1 - r0 : 0);  // rows seeing nothing
+        struct ggml_init_params ip = {ggml_tensor_overhead() * n_nodes + ggml_graph_overhead_custom(n_nodes, false),
+                                      NULL, true};
+        struct ggml_context * g = ggml_init(ip);
+        if (!g) { rc = KVL_NO_MEMORY; break; }
+        struct ggml_tensor * t_tok = ggml_new_tensor_1d(g, GGML_TYPE_I32, len);
+        struct ggml_tensor * t_pos = ggml_new_tensor_1d(g, GGML_TYPE_I32, len);
+        // The input rows of first_layer: required from layer 1 on; at layer 0 they replace the token
+        // embeddings when given (kvlite's blind variant feeds a neutral row there).
+        struct ggml_tensor * t_h = first_layer > 0 || hidden ? ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, len)
+                                                             : NULL;
+        struct ggml_tensor * x = t_h ? t_h : ggml_get_rows(g, m->tok_embd, t_tok);  // [n_embd, len]
+        for (int il = first_layer; il < hp->n_layer; il++) {
+            const struct kvl_layer * L = &m->layers[il];
+            const size_t lo = (size_t) (il - first_layer);
+            struct ggml_tensor * cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->attn_norm);
+            struct ggml_tensor * q = ggml_mul_mat(g, L->wq, cur);
+            if (L->bq) q = ggml_add(g, q, L->bq);
+            q = kvl_rope_ext(g, ggml_reshape_3d(g, q, D, hp->n_head, len), t_pos, &hp->rope);
+            struct ggml_tensor * kl = ggml_view_3d(g, t_k, D, Hkv, n, t_k->nb[1], t_k->nb[2], lo * t_k->nb[3]);
+            struct ggml_tensor * vl = ggml_view_3d(g, t_v, D, Hkv, n, t_v->nb[1], t_v->nb[2], lo * t_v->nb[3]);
+            struct ggml_tensor * att = NULL;  // [D * H, len]; rows with nothing to attend to get zeros
+            if (z < len) {
+                struct ggml_tensor * qs = ggml_view_3d(g, q, D, hp->n_head, len - z, q->nb[1], q->nb[2], z * q->nb[2]);
+                att = kvl_cc_attention(g, hp, qs, kl, vl, r0 + z, len - z, gap);
+            }
+            if (z > 0) {
+                struct ggml_tensor * q2 = ggml_reshape_2d(g, q, D * hp->n_head, len);
+                struct ggml_tensor * zero = ggml_scale(g, ggml_view_2d(g, q2, D * hp->n_head, z, q2->nb[1], 0), 0.0f);
+                att = att ? ggml_concat(g, zero, att, 1) : zero;
+            }
+            x = ggml_add(g, x, ggml_mul_mat(g, L->wo, att));
+            cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->ffn_norm);
+            cur = ggml_mul(g, ggml_silu(g, ggml_mul_mat(g, L->w_gate, cur)), ggml_mul_mat(g, L->w_up, cur));
+            x = ggml_add(g, x, ggml_mul_mat(g, L->w_down, cur));
         }
-        x = ggml_add(g, x, ggml_mul_mat(g, L->wo, kvl_cc_attention(g, hp, q, kl, vl, n, gap, block)));
-        cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->ffn_norm);
-        cur = ggml_mul(g, ggml_silu(g, ggml_mul_mat(g, L->w_gate, cur)), ggml_mul_mat(g, L->w_up, cur));
-        x = ggml_add(g, x, ggml_mul_mat(g, L->w_down, cur));
-    }
-    x = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), m->out_norm);
-    // The paper's score needs only row x_i of the output matrix at cell i: a gather and a dot,
-    // not a projection on the whole vocabulary.
-    struct ggml_tensor * rows = ggml_get_rows(g, m->output, t_tok);  // [n_embd, n], dequantized
-    struct ggml_tensor * s = ggml_sum_rows(g, ggml_mul(g, rows, x));  // [1, n]
-    if (normalized) s = ggml_sub(g, s, kvl_logsumexp(g, ggml_mul_mat(g, m->output, x)));
-    ggml_set_output(s);
+        x = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), m->out_norm);
+        // The paper's score needs only row x_i of the output matrix at cell i: a gather and a dot,
+        // not a projection on the whole vocabulary.
+        struct ggml_tensor * rows = ggml_get_rows(g, m->output, t_tok);  // [n_embd, len], dequantized
+        struct ggml_tensor * s = ggml_sum_rows(g, ggml_mul(g, rows, x));  // [1, len]
+        if (normalized) s = ggml_sub(g, s, kvl_logsumexp(g, ggml_mul_mat(g, m->output, x)));
 
-    struct ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
-    ggml_build_forward_expand(gf, s);
-    const struct kvl_input in[] = {{t_tok, tokens}, {t_pos, pos}, {t_k, k}, {t_v, v}, {t_h, hidden}};
-    const int rc = kvl_run(c, gf, in, 5, s, out);
-    ggml_free(g);
+        struct ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
+        ggml_build_forward_expand(gf, s);
+        const struct kvl_input in[] = {{t_tok, tokens + r0}, {t_pos, pos + r0},
+                                       {t_h, t_h ? hidden + (size_t) r0 * hp->n_embd : NULL}};
+        rc = kvl_run(c, gf, in, 3, s, out + r0);
+        ggml_free(g);
+    }
+    ggml_backend_buffer_free(kv_buf);
+    ggml_free(gkv);
     return rc;
 }

@@ -43,19 +43,6 @@ class Stream:
     def cell_count(self) -> int:
         return len(self.pos)
 
-    def take(self, idx: np.ndarray) -> Stream:
-        """The same stream restricted to cells `idx`, in that order."""
-        idx = np.asarray(idx, dtype=np.int64)
-        return Stream(
-            pos=self.pos[idx],
-            seq_ids=[self.seq_ids[i] for i in idx],
-            v_trans=self.v_trans,
-            k_types=self.k_types,
-            v_types=self.v_types,
-            k=[a[idx] for a in self.k],
-            v=[a[idx] for a in self.v],
-        )
-
 
 @dataclasses.dataclass
 class SeqState:
@@ -233,6 +220,14 @@ class StateFile:
     def v(self, il: int, order: np.ndarray | None = None) -> np.ndarray:
         """Layer il's V rows [cells, n_embd_v] (transposed back when llama.cpp stores V transposed)."""
         return self._read(self.layout.v_at[il], self.layout.v_types[il], order, self.layout.v_trans)
+
+    def stream(self, order: np.ndarray | None = None) -> Stream:
+        """The whole stream in memory (cells in `order`), e.g. to load it back with `build`."""
+        lay = self.layout
+        idx = np.arange(len(self.pos)) if order is None else np.asarray(order)
+        return Stream(pos=self.pos[idx], seq_ids=[lay.seq_ids[i] for i in idx], v_trans=lay.v_trans,
+                      k_types=lay.k_types, v_types=lay.v_types, k=[self.k(il, idx) for il in range(self.n_layer)],
+                      v=[self.v(il, idx) for il in range(self.n_layer)])  # fmt: skip
 
     def _read(self, offset: int, desc: tuple, order: np.ndarray | None, v_trans: int = 0) -> np.ndarray:
         n = len(self.pos)
