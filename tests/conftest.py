@@ -13,6 +13,17 @@ import pytest
 
 from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
 
+
+def pytest_configure(config):
+    """KVLITE_TEST_RPC=HOST:PORT runs the session against a ggml RPC server: every model loaded
+    offloads its layers and KV cache there and kvlite's kernels run there (tests/test_offload.py
+    runs the parity and invariant modules this way)."""
+    if os.environ.get("KVLITE_TEST_RPC"):
+        from kvlite.native import rpc_add_servers
+
+        rpc_add_servers(os.environ["KVLITE_TEST_RPC"])
+
+
 TINY_SPECS = {
     "llama": TinySpec(arch="llama", n_layer=3, n_head=6, n_head_kv=2, head_dim=16, seed=1, chat_template=True),
     "qwen2": TinySpec(arch="qwen2", n_layer=2, n_head=4, n_head_kv=1, head_dim=32, rope_base=1e6, seed=2),

@@ -41,12 +41,17 @@ def test_state_blob_round_trips_byte_for_byte(tiny_model):
     assert np.array_equal(state.positions(), cache.positions())
 
 
-def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path):
+def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path, monkeypatch):
     """The layer-at-a-time reader of llama.cpp's state file (what evictions read) gives the same cells,
     keys and values as the in-memory export, with holes, for V stored both ways (flash attention off:
     transposed; on: rows); a truncated file is an error, not short data."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the state files go
     for fa in (False, True):
         ctx = Context(tiny_model, n_ctx=128, n_batch=32, flash_attn=fa)
+        rpc = os.environ.get("KVLITE_TEST_RPC")  # test_offload.py: the cache must then be on the server
+        assert list(ctx.kv_buffers) == ([f"RPC0[{rpc}]"] if rpc else ["CPU"])
         cache = KVCache(ctx)
         cache.append(list(range(10, 60)))
         cache.evict([p for p in range(50) if p % 3 == 0 or p == 49])
@@ -67,7 +72,7 @@ def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path):
         assert keys.layer(0).shape == (tiny_model.info.n_head_kv, len(pos), tiny_model.info.head_dim)
         keys.close()
         ctx.close()
-    assert not [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("kvlite-state-")]  # unlinked
+    assert not os.listdir(tmp)  # every state file was unlinked
     ctx = Context(tiny_model, n_ctx=128, n_batch=32)
     ctx.decode(list(range(10, 40)), range(30), LIVE)
     path = tmp_path / "state.bin"

@@ -9,6 +9,7 @@ The server computes with the same CPU code as a local run, so the results must b
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 import subprocess
@@ -77,6 +78,22 @@ def test_offloaded_cache_gives_the_local_result(rpc_endpoint, tiny_paths, policy
     assert b["text"] == a["text"]
     assert b["cache"]["kept_positions"] == a["cache"]["kept_positions"]
     assert b["cache"]["final_cells"] == a["cache"]["final_cells"]
+
+
+# Modules whose checks hold as well when the cache lives on the device: twin parity of the pooled
+# and counter-causal scores, resident positions against llama.cpp's exported state after
+# evictions and compaction, the kernels' torch twins. Run in a pytest of their own with
+# KVLITE_TEST_RPC set (conftest.py), so every model of that session is offloaded.
+ON_DEVICE = ["tests/test_native_pooling.py", "tests/test_counter_causal.py", "tests/test_cache_invariants.py",
+             "tests/test_kvzip.py"]  # fmt: skip
+
+
+def test_parity_and_invariants_with_the_cache_on_the_device(rpc_endpoint):
+    env = dict(os.environ, KVLITE_TEST_RPC=rpc_endpoint, KVLITE_HYPOTHESIS_EXAMPLES="25")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
+                           *ON_DEVICE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
 
 
 KERNELS_ON_RPC = """
