@@ -39,10 +39,11 @@ class Snapshot:
     hidden_layer: int | None
 
 
-class CachedKeys:
-    """The live sequence's post-RoPE keys as llama.cpp cached them, read from its state export one
-    layer at a time (kvstate.StateFile), so an eviction holds one layer of keys, not the cache twice.
-    positions: [n] ascending; layer(il): [n_head_kv, n, head_dim] in that order, as attention reads them."""
+class CachedKV:
+    """The live sequence's keys and values as llama.cpp cached them (post-RoPE keys), read from its
+    state export one layer at a time (kvstate.StateFile), so an eviction holds one layer, not the
+    cache twice. positions: [n] ascending; layer(il): keys [n_head_kv, n, head_dim] in that order, as
+    attention reads them; k_rows/v_rows(il): the rows as stored."""
 
     def __init__(self, sf: kvstate.StateFile, n_head_kv: int):
         self.file, self.n_head_kv = sf, n_head_kv
@@ -51,8 +52,15 @@ class CachedKeys:
         self.n_layer = sf.n_layer
 
     def layer(self, il: int) -> np.ndarray:
-        rows = self.file.k(il, self.order)  # [n, n_head_kv * head_dim]
+        rows = self.k_rows(il)  # [n, n_head_kv * head_dim]
         return np.ascontiguousarray(rows.reshape(len(self.order), self.n_head_kv, -1).transpose(1, 0, 2))
+
+    def k_rows(self, il: int) -> np.ndarray:
+        """Layer il's K rows [n, n_head_kv * head_dim] as stored, in the order of `positions`."""
+        return self.file.k(il, self.order)
+
+    def v_rows(self, il: int) -> np.ndarray:
+        return self.file.v(il, self.order)
 
     def close(self) -> None:
         self.file.close()
@@ -113,9 +121,9 @@ class KVCache:
             order = np.argsort(sf.pos, kind="stable")
             return sf.pos[order], _stack(sf.k, layers, order), _stack(sf.v, layers, order)
 
-    def cached_keys(self, n_head_kv: int) -> CachedKeys:
-        """The live sequence's cached keys, to be read a layer at a time (close it when done)."""
-        return CachedKeys(self._live_file("reading the live cache"), n_head_kv)
+    def cached_kv(self, n_head_kv: int) -> CachedKV:
+        """The live sequence's cached K/V, to be read a layer at a time (closed with it, or by GC)."""
+        return CachedKV(self._live_file("reading the live cache"), n_head_kv)
 
     def _live_file(self, purpose: str) -> kvstate.StateFile:
         if self.workspace_active:

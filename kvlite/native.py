@@ -24,7 +24,7 @@ from .errors import KvliteError
 if TYPE_CHECKING:
     from .models import ModelInfo
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 _LIB_NAME = {"darwin": "libkvlite_native.dylib", "win32": "kvlite_native.dll"}.get(sys.platform, "libkvlite_native.so")
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -120,9 +120,12 @@ class Native:
         lib.kvl_model_load.restype = ctypes.c_void_p
         lib.kvl_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(HParams)]
         lib.kvl_model_free.argtypes = [ctypes.c_void_p]
-        lib.kvl_counter_causal.restype = ctypes.c_int
-        lib.kvl_counter_causal.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5
-        lib.kvl_counter_causal.argtypes += [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        for fn in (lib.kvl_cc_embed, lib.kvl_cc_layer, lib.kvl_cc_output):
+            fn.restype = ctypes.c_int
+        lib.kvl_cc_embed.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
+        lib.kvl_cc_layer.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4
+        lib.kvl_cc_layer.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
+        lib.kvl_cc_output.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
         lib.kvl_capture_new.restype = ctypes.c_void_p
         for fn in (lib.kvl_capture_free, lib.kvl_capture_clear):
             fn.argtypes = [ctypes.c_void_p]
@@ -233,38 +236,44 @@ class Native:
     def model_free(self, model: int) -> None:
         self._lib.kvl_model_free(model)
 
-    def counter_causal(
-        self,
-        model: int,
-        first_layer: int,
-        logprob: bool,
-        min_gap: int,
-        block_rows: int,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        k: np.ndarray,
-        v: np.ndarray,
-        hidden: np.ndarray | None,
-    ) -> np.ndarray:
-        """The native counter-causal pass (native/counter_causal.c) over n cells given in
-        descending position order: tokens, positions int32 [n]; k, v [n_layer_used, n, n_embd_kv]
-        float16 or float32; hidden float32 [n, n_embd] or None. Returns float32 [n]."""
+    # -- the counter-causal pass, a layer at a time (native/counter_causal.c): cells in DESCENDING position order
+    def cc_embed(self, model: int, tokens: np.ndarray, n_embd: int) -> np.ndarray:
+        """The token embeddings of tokens int32 [n]: float32 [n, n_embd] (layer 0's input)."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        hidden = np.empty((len(tokens), n_embd), np.float32)
+        self._check(self._lib.kvl_cc_embed(self._ctx, model, len(tokens), _ptr(tokens), _ptr(hidden)), "embedding")
+        return hidden
+
+    def cc_layer(self, model: int, layer: int, min_gap: int, block_rows: int, positions: np.ndarray, k: np.ndarray,
+                 v: np.ndarray, hidden: np.ndarray) -> None:  # fmt: skip
+        """One layer over n cells: positions int32 [n]; k, v this layer's cached rows [n, n_embd_kv]
+        float16 or float32; hidden float32 [n, n_embd] C-contiguous, replaced by the layer's output."""
         kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.float32): GGML_TYPE_F32}.get(k.dtype)
         if kv_type is None or v.dtype != k.dtype:
             raise KvliteError(f"counter-causal pass wants float16 or float32 K/V, got {k.dtype} and {v.dtype}")
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if hidden.dtype != np.float32 or not hidden.flags.c_contiguous:
+            raise KvliteError("counter-causal hidden rows must be C-contiguous float32")
         positions = np.ascontiguousarray(positions, dtype=np.int32)
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-        hidden = None if hidden is None else np.ascontiguousarray(hidden, dtype=np.float32)
-        n = len(tokens)
-        out = np.empty(n, np.float32)
-        rc = self._lib.kvl_counter_causal(
-            self._ctx, model, first_layer, int(logprob), min_gap, max(block_rows, 0), n, _ptr(tokens),
-            _ptr(positions), _ptr(k), _ptr(v), kv_type, _ptr(hidden), _ptr(out),
-        )  # fmt: skip
-        if rc != 0:
-            raise KvliteError(f"native counter-causal pass failed (status {rc}) over {n} cells")
+        rc = self._lib.kvl_cc_layer(self._ctx, model, layer, min_gap, max(block_rows, 0), len(positions),
+                                    _ptr(positions), _ptr(k), _ptr(v), kv_type, _ptr(hidden))  # fmt: skip
+        self._check(rc, f"layer {layer}")
+
+    def cc_output(self, model: int, logprob: bool, block_rows: int, tokens: np.ndarray,
+                  hidden: np.ndarray) -> np.ndarray:  # fmt: skip
+        """The logit (or log-probability) of tokens[i] from hidden row i: float32 [n]."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        out = np.empty(len(tokens), np.float32)
+        rc = self._lib.kvl_cc_output(self._ctx, model, int(logprob), max(block_rows, 0), len(tokens), _ptr(tokens),
+                                     _ptr(hidden), _ptr(out))  # fmt: skip
+        self._check(rc, "output")
         return out
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise KvliteError(f"native counter-causal pass failed (status {rc}) at its {what}")
 
     # -- the eval callback's capture (native/capture.c) -------------------------------------------
     def capture_new(self) -> int:

@@ -127,42 +127,57 @@ static struct ggml_tensor * kvl_cc_attention(struct ggml_context * g, const stru
     return ggml_reshape_2d(g, ggml_cont(g, ggml_permute(g, o, 0, 2, 1, 3)), D * H, len);
 }
 
-// Logits (normalized = 0) or log-probabilities (normalized = 1) of x_i at every cell i, from
-// layer first_layer on (0: full; n_layer - 1: fast). Cell i attends to the cells after it, skipping
-// the nearest `gap` ones (the reference code's min_gap, against K/V leakage; 0 in the paper).
-//   tokens, pos: i32 [n], cells in strictly DESCENDING position order
-//   k, v:        kv_type (0 f32, 1 f16) [n_layer - first_layer, n, n_head_kv * head_dim]
-//   hidden:      f32 [n, n_embd], the input of first_layer (required when first_layer > 0; at layer 0,
-//                NULL reads the token embeddings, and rows given replace them)
-//   out:         f32 [n]; the first gap + 1 cells see nothing: their values mean nothing
-//   block:       rows per block (0: keep a block's score matrix near 16 MB)
-//   n >= gap + 2
-// A row's pass reads the cached K/V, never another row's hidden state, so the rows go in blocks,
-// one graph each, all layers deep: memory is one block's activations plus K/V, which are copied
-// to the backend once and shared by every block.
-int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first_layer, int normalized, int gap,
-                       int block, int n,
-                       const int32_t * tokens, const int32_t * pos, const void * k, const void * v, int kv_type,
-                       const float * hidden, float * out) {
+// The counter-causal pass, one layer at a time, driven from Python (kvlite/scoring/surprise.py):
+//   kvl_cc_embed   the input rows of layer 0 (the token embeddings);
+//   kvl_cc_layer   one layer over every cell, reading that layer's cached K/V, hidden rows in place;
+//   kvl_cc_output  the logit (or log-probability) of x_i at every cell from the last hidden rows.
+// Cells come in strictly DESCENDING position order: cell i attends to the cells after it (lower
+// index), skipping the nearest `gap` ones (the reference code's min_gap, against K/V leakage; 0 in
+// the paper); cells 0 .. gap see nothing and get a zero attention output. A row's pass reads the
+// cached K/V, never another row's hidden state, so rows go in blocks, one graph each: memory is one
+// layer's K/V (copied to the backend once per layer) plus one block's activations, and the caller
+// holds the hidden rows [n, n_embd] and one layer's K/V at a time.
+//   block: rows per block (0: keep a block's [n, block, H] score matrix near 16 MB)
+
+// tokens i32 [n] -> hidden f32 [n, n_embd] (dequantized rows of token_embd)
+int kvl_cc_embed(struct kvl_ctx * c, const struct kvl_model * m, int n, const int32_t * tokens, float * hidden) {
+    if (!c || !m || n <= 0) return KVL_BAD_SHAPE;
+    struct ggml_init_params ip = {ggml_tensor_overhead() * 8 + ggml_graph_overhead(), NULL, true};
+    struct ggml_context * g = ggml_init(ip);
+    if (!g) return KVL_NO_MEMORY;
+    struct ggml_tensor * t_tok = ggml_new_tensor_1d(g, GGML_TYPE_I32, n);
+    struct ggml_tensor * x = ggml_get_rows(g, m->tok_embd, t_tok);
+    struct ggml_cgraph * gf = ggml_new_graph(g);
+    ggml_build_forward_expand(gf, x);
+    const struct kvl_input in[] = {{t_tok, tokens}};
+    const int rc = kvl_run(c, gf, in, 1, x, hidden);
+    ggml_free(g);
+    return rc;
+}
+
+// Layer il over n cells: pos i32 [n]; k, v kv_type (0 f32, 1 f16) [n, n_head_kv * head_dim], this
+// layer's cached rows; hidden f32 [n, n_embd], the layer's input rows, replaced by its output.
+int kvl_cc_layer(struct kvl_ctx * c, const struct kvl_model * m, int il, int gap, int block, int n,
+                 const int32_t * pos, const void * k, const void * v, int kv_type, float * hidden) {
     const struct kvl_hparams * hp = &m->hp;
-    if (!c || !m || gap < 0 || n < gap + 2 || first_layer < 0 || first_layer >= hp->n_layer) return KVL_BAD_SHAPE;
-    if (first_layer > 0 && !hidden) return KVL_BAD_SHAPE;
+    if (!c || !m || gap < 0 || n < gap + 2 || il < 0 || il >= hp->n_layer) return KVL_BAD_SHAPE;
     if (kv_type != GGML_TYPE_F32 && kv_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
-    const int D = hp->head_dim, Hkv = hp->n_head_kv, n_used = hp->n_layer - first_layer;
+    const int D = hp->head_dim, Hkv = hp->n_head_kv;
     if (block <= 0) block = kvl_cc_block(n, hp->n_head);
+    const struct kvl_layer * L = &m->layers[il];
 
     struct ggml_init_params kp = {ggml_tensor_overhead() * 2, NULL, true};
     struct ggml_context * gkv = ggml_init(kp);
     if (!gkv) return KVL_NO_MEMORY;
-    struct ggml_tensor * t_k = ggml_new_tensor_4d(gkv, (enum ggml_type) kv_type, D, Hkv, n, n_used);
-    struct ggml_tensor * t_v = ggml_new_tensor_4d(gkv, (enum ggml_type) kv_type, D, Hkv, n, n_used);
+    struct ggml_tensor * t_k = ggml_new_tensor_3d(gkv, (enum ggml_type) kv_type, D, Hkv, n);
+    struct ggml_tensor * t_v = ggml_new_tensor_3d(gkv, (enum ggml_type) kv_type, D, Hkv, n);
     ggml_backend_buffer_t kv_buf = ggml_backend_alloc_ctx_tensors(gkv, c->backends[0]);
     if (!kv_buf) { ggml_free(gkv); return KVL_NO_MEMORY; }
     ggml_backend_tensor_set(t_k, k, 0, ggml_nbytes(t_k));
     ggml_backend_tensor_set(t_v, v, 0, ggml_nbytes(t_v));
 
     int rc = KVL_OK;
-    const size_t n_nodes = 256 + (size_t) n_used * 96;
+    const size_t n_nodes = 160;
     for (int r0 = 0; r0 < n && rc == KVL_OK; r0 += block) {
         const int len = r0 + block <= n ? block : n - r0;
         const int z = gap + 1 - r0 > len ? len : (gap + 1 - r0 > 0 ? gap + 1 - r0 : 0);  // rows seeing nothing
@@ -170,52 +185,64 @@ int kvl_counter_causal(struct kvl_ctx * c, const struct kvl_model * m, int first
                                       NULL, true};
         struct ggml_context * g = ggml_init(ip);
         if (!g) { rc = KVL_NO_MEMORY; break; }
-        struct ggml_tensor * t_tok = ggml_new_tensor_1d(g, GGML_TYPE_I32, len);
         struct ggml_tensor * t_pos = ggml_new_tensor_1d(g, GGML_TYPE_I32, len);
-        // The input rows of first_layer: required from layer 1 on; at layer 0 they replace the token
-        // embeddings when given (kvlite's blind variant feeds a neutral row there).
-        struct ggml_tensor * t_h = first_layer > 0 || hidden ? ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, len)
-                                                             : NULL;
-        struct ggml_tensor * x = t_h ? t_h : ggml_get_rows(g, m->tok_embd, t_tok);  // [n_embd, len]
-        for (int il = first_layer; il < hp->n_layer; il++) {
-            const struct kvl_layer * L = &m->layers[il];
-            const size_t lo = (size_t) (il - first_layer);
-            struct ggml_tensor * cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->attn_norm);
-            struct ggml_tensor * q = ggml_mul_mat(g, L->wq, cur);
-            if (L->bq) q = ggml_add(g, q, L->bq);
-            q = kvl_rope_ext(g, ggml_reshape_3d(g, q, D, hp->n_head, len), t_pos, &hp->rope);
-            struct ggml_tensor * kl = ggml_view_3d(g, t_k, D, Hkv, n, t_k->nb[1], t_k->nb[2], lo * t_k->nb[3]);
-            struct ggml_tensor * vl = ggml_view_3d(g, t_v, D, Hkv, n, t_v->nb[1], t_v->nb[2], lo * t_v->nb[3]);
-            struct ggml_tensor * att = NULL;  // [D * H, len]; rows with nothing to attend to get zeros
-            if (z < len) {
-                struct ggml_tensor * qs = ggml_view_3d(g, q, D, hp->n_head, len - z, q->nb[1], q->nb[2], z * q->nb[2]);
-                att = kvl_cc_attention(g, hp, qs, kl, vl, r0 + z, len - z, gap);
-            }
-            if (z > 0) {
-                struct ggml_tensor * q2 = ggml_reshape_2d(g, q, D * hp->n_head, len);
-                struct ggml_tensor * zero = ggml_scale(g, ggml_view_2d(g, q2, D * hp->n_head, z, q2->nb[1], 0), 0.0f);
-                att = att ? ggml_concat(g, zero, att, 1) : zero;
-            }
-            x = ggml_add(g, x, ggml_mul_mat(g, L->wo, att));
-            cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->ffn_norm);
-            cur = ggml_mul(g, ggml_silu(g, ggml_mul_mat(g, L->w_gate, cur)), ggml_mul_mat(g, L->w_up, cur));
-            x = ggml_add(g, x, ggml_mul_mat(g, L->w_down, cur));
+        struct ggml_tensor * x = ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, len);
+        struct ggml_tensor * cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->attn_norm);
+        struct ggml_tensor * q = ggml_mul_mat(g, L->wq, cur);
+        if (L->bq) q = ggml_add(g, q, L->bq);
+        q = kvl_rope_ext(g, ggml_reshape_3d(g, q, D, hp->n_head, len), t_pos, &hp->rope);
+        struct ggml_tensor * att = NULL;  // [D * H, len]; rows with nothing to attend to get zeros
+        if (z < len) {
+            struct ggml_tensor * qs = ggml_view_3d(g, q, D, hp->n_head, len - z, q->nb[1], q->nb[2], z * q->nb[2]);
+            att = kvl_cc_attention(g, hp, qs, t_k, t_v, r0 + z, len - z, gap);
         }
-        x = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), m->out_norm);
-        // The paper's score needs only row x_i of the output matrix at cell i: a gather and a dot,
-        // not a projection on the whole vocabulary.
-        struct ggml_tensor * rows = ggml_get_rows(g, m->output, t_tok);  // [n_embd, len], dequantized
-        struct ggml_tensor * s = ggml_sum_rows(g, ggml_mul(g, rows, x));  // [1, len]
-        if (normalized) s = ggml_sub(g, s, kvl_logsumexp(g, ggml_mul_mat(g, m->output, x)));
+        if (z > 0) {
+            struct ggml_tensor * q2 = ggml_reshape_2d(g, q, D * hp->n_head, len);
+            struct ggml_tensor * zero = ggml_scale(g, ggml_view_2d(g, q2, D * hp->n_head, z, q2->nb[1], 0), 0.0f);
+            att = att ? ggml_concat(g, zero, att, 1) : zero;
+        }
+        struct ggml_tensor * y = ggml_add(g, x, ggml_mul_mat(g, L->wo, att));
+        cur = ggml_mul(g, ggml_rms_norm(g, y, hp->rms_eps), L->ffn_norm);
+        cur = ggml_mul(g, ggml_silu(g, ggml_mul_mat(g, L->w_gate, cur)), ggml_mul_mat(g, L->w_up, cur));
+        y = ggml_add(g, y, ggml_mul_mat(g, L->w_down, cur));
 
         struct ggml_cgraph * gf = ggml_new_graph_custom(g, n_nodes, false);
-        ggml_build_forward_expand(gf, s);
-        const struct kvl_input in[] = {{t_tok, tokens + r0}, {t_pos, pos + r0},
-                                       {t_h, t_h ? hidden + (size_t) r0 * hp->n_embd : NULL}};
-        rc = kvl_run(c, gf, in, 3, s, out + r0);
+        ggml_build_forward_expand(gf, y);
+        float * rows = hidden + (size_t) r0 * hp->n_embd;  // read into the graph first, then overwritten
+        const struct kvl_input in[] = {{t_pos, pos + r0}, {x, rows}};
+        rc = kvl_run(c, gf, in, 2, y, rows);
         ggml_free(g);
     }
     ggml_backend_buffer_free(kv_buf);
     ggml_free(gkv);
+    return rc;
+}
+
+// out f32 [n]: the logit (normalized = 0) or log-probability (1) of tokens[i] from hidden row i.
+int kvl_cc_output(struct kvl_ctx * c, const struct kvl_model * m, int normalized, int block, int n,
+                  const int32_t * tokens, const float * hidden, float * out) {
+    const struct kvl_hparams * hp = &m->hp;
+    if (!c || !m || n <= 0) return KVL_BAD_SHAPE;
+    if (block <= 0) block = kvl_cc_block(n, hp->n_head);
+    int rc = KVL_OK;
+    for (int r0 = 0; r0 < n && rc == KVL_OK; r0 += block) {
+        const int len = r0 + block <= n ? block : n - r0;
+        struct ggml_init_params ip = {ggml_tensor_overhead() * 32 + ggml_graph_overhead(), NULL, true};
+        struct ggml_context * g = ggml_init(ip);
+        if (!g) return KVL_NO_MEMORY;
+        struct ggml_tensor * t_tok = ggml_new_tensor_1d(g, GGML_TYPE_I32, len);
+        struct ggml_tensor * x = ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, len);
+        struct ggml_tensor * h = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), m->out_norm);
+        // The paper's score needs only row x_i of the output matrix at cell i: a gather and a dot,
+        // not a projection on the whole vocabulary (that one only for log-probabilities).
+        struct ggml_tensor * rows = ggml_get_rows(g, m->output, t_tok);  // [n_embd, len], dequantized
+        struct ggml_tensor * s = ggml_sum_rows(g, ggml_mul(g, rows, h));  // [1, len]
+        if (normalized) s = ggml_sub(g, s, kvl_logsumexp(g, ggml_mul_mat(g, m->output, h)));
+        struct ggml_cgraph * gf = ggml_new_graph(g);
+        ggml_build_forward_expand(gf, s);
+        const struct kvl_input in[] = {{t_tok, tokens + r0}, {x, hidden + (size_t) r0 * hp->n_embd}};
+        rc = kvl_run(c, gf, in, 2, s, out + r0);
+        ggml_free(g);
+    }
     return rc;
 }

@@ -72,8 +72,8 @@ def _twin_from(ref, contents: CacheContents, variant, score, min_gap=0, blind=Fa
     info = ref.info
     first = 0 if variant == "full" else info.n_layer - 1
     shape = (info.n_layer - first, len(contents.tokens), info.n_head_kv, info.head_dim)
-    k = torch.from_numpy(contents.k.astype(np.float64)).reshape(shape).to(ref.dtype)
-    v = torch.from_numpy(contents.v.astype(np.float64)).reshape(shape).to(ref.dtype)
+    k = torch.from_numpy(np.asarray(contents.k).astype(np.float64)).reshape(shape).to(ref.dtype)
+    v = torch.from_numpy(np.asarray(contents.v).astype(np.float64)).reshape(shape).to(ref.dtype)
     hidden = None if contents.hidden is None else torch.from_numpy(contents.hidden).to(ref.dtype)
     return counter_causal_logits(
         ref, torch.from_numpy(contents.tokens.astype(np.int64)), torch.from_numpy(contents.positions.astype(np.int64)),
@@ -203,7 +203,7 @@ def test_bad_inputs(tiny_paths):
     with pytest.raises(KvliteError, match="ascending"):
         cc.logits(CacheContents(c.tokens, c.positions[::-1].copy(), c.k, c.v, c.hidden), "fast")
     with pytest.raises(KvliteError, match="shape"):
-        cc.logits(CacheContents(c.tokens, c.positions, c.k[:, :5], c.v, c.hidden), "fast")
+        cc.logits(CacheContents(c.tokens, c.positions, np.asarray(c.k)[:, :5], c.v, c.hidden), "fast")
     with pytest.raises(KvliteError, match="hidden"):
         cc.logits(CacheContents(c.tokens, c.positions, c.k, c.v, None), "fast")
     with pytest.raises(KvliteError, match="variant"):

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import KvliteError
 from . import kvstate
 from .capture import Capture
-from .model import LOG_BUFFERS, LOG_ERRORS, Model, buffers_since, default_threads
+from .model import LOG_BUFFERS, LOG_ERRORS, Model, default_threads, logged_buffers
 
 KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32}
 LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspace view
@@ -51,9 +51,9 @@ class Context:
         if capture is not None:
             p.cb_eval = capture.callback
             p.cb_eval_user_data = capture.user_data
-        mark = len(LOG_BUFFERS)
+        LOG_BUFFERS.clear()
         self.ptr = L.llama_init_from_model(model.ptr, p)
-        self.kv_buffers = buffers_since(mark, "KV")  # where llama.cpp put the cache: {device: MiB}
+        self.kv_buffers = logged_buffers("KV")  # where llama.cpp put the cache: {device: MiB}
         if not self.ptr:
             detail = LOG_ERRORS[-1] if LOG_ERRORS else "out of memory?"
             raise KvliteError(f"llama.cpp could not create a {n_ctx}-token context: {detail}")

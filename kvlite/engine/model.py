@@ -15,7 +15,7 @@ from ..models import ModelInfo, read_model_info
 
 _log_callback = None
 LOG_ERRORS: list[str] = []  # llama.cpp's error lines, kept for the messages of failures
-LOG_BUFFERS: list[str] = []  # its "<device> <kind> buffer size = N MiB" lines: where it placed what
+LOG_BUFFERS: list[str] = []  # its "<device> <kind> buffer size = N MiB" lines since the last context
 
 
 def quiet_llama_logs() -> None:
@@ -31,7 +31,6 @@ def quiet_llama_logs() -> None:
             del LOG_ERRORS[:-20]
         elif text and b"buffer size =" in text:
             LOG_BUFFERS.append(text.decode(errors="replace").strip())
-            del LOG_BUFFERS[:-50]
 
     _log_callback = _callback
     L.llama_log_set(_callback, None)
@@ -41,11 +40,11 @@ quiet_llama_logs()
 L.llama_backend_init()
 
 
-def buffers_since(mark: int, kind: str) -> dict[str, float]:
-    """{device: MiB} of the `kind` buffers ("model", "KV", "compute") llama.cpp logged after
-    LOG_BUFFERS had `mark` lines (e.g. {"RPC0[127.0.0.1:50052]": 0.09} for an offloaded cache)."""
+def logged_buffers(kind: str) -> dict[str, float]:
+    """{device: MiB} of the `kind` buffers ("model", "KV", "compute") llama.cpp logged since
+    LOG_BUFFERS was last cleared (e.g. {"RPC0[127.0.0.1:50052]": 0.09} for an offloaded cache)."""
     out: dict[str, float] = {}
-    for line in LOG_BUFFERS[mark:]:
+    for line in LOG_BUFFERS:
         head, _, size = line.partition(f" {kind} buffer size =")
         if size:
             out[head.split(":", 1)[1].strip()] = float(size.split()[0])

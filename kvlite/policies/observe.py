@@ -20,7 +20,7 @@ from ..scoring.aggregate import aggregate
 from ..scoring.proposals import proposals
 
 if TYPE_CHECKING:
-    from ..cache import CachedKeys, KVCache
+    from ..cache import CachedKV, KVCache
     from ..engine import Model
 
 
@@ -51,10 +51,10 @@ class Observation:
 
     # -- what the prefill left ------------------------------------------------------------------
     @functools.cached_property
-    def keys(self) -> CachedKeys:
+    def keys(self) -> CachedKV:
         """Cached post-RoPE keys of the resident cells, from llama.cpp's state, a layer at a time:
         keys.layer(il) is [Hkv, n, D] f16 in the order of `positions`."""
-        keys = self.cache.cached_keys(self.info.n_head_kv)
+        keys = self.cache.cached_kv(self.info.n_head_kv)
         assert np.array_equal(keys.positions, self.positions)
         return keys
 

@@ -30,11 +30,30 @@ class CacheContents:
 
     tokens: np.ndarray
     positions: np.ndarray
-    k: np.ndarray  # [n_layer_used, n, n_embd_kv], float16 or float32
-    v: np.ndarray
+    k: np.ndarray | LayerRows  # [n_layer_used, n, n_embd_kv], float16 or float32; k[i]: one layer
+    v: np.ndarray | LayerRows
     hidden: np.ndarray | None = None  # [n, n_embd], the input of the first recomputed layer
 
 
+class LayerRows:
+    """Some layers' cached rows, read when indexed: rows[i] is layer layers[i], [n, n_embd_kv]."""
+
+    def __init__(self, read, layers: range):
+        self.read, self.layers = read, layers
+        first = read(layers[0]) if len(layers) else np.empty((0, 0), np.float16)
+        self.shape, self.dtype = (len(layers), *first.shape), first.dtype
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.read(self.layers[i])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.stack([self[i] for i in range(len(self))]).astype(dtype or self.dtype, copy=False)
+
+
+@dataclasses.dataclass
 class SurpriseModel:
     """A model's weights mapped for counter-causal passes (one per GGUF file)."""
 
@@ -96,14 +115,18 @@ class SurpriseModel:
         elif first > 0:
             if contents.hidden is None or contents.hidden.shape != (n, info.n_embd):
                 raise KvliteError(f"counter-causal fast needs the hidden states [{n}, {info.n_embd}] of every cell")
-            hidden = contents.hidden[::-1]
+            hidden = contents.hidden
         # The native pass takes cells in descending position order: "only later positions" is then
-        # ggml's ordinary causal mask.
-        out = self._native.counter_causal(
-            self.ptr, first, score == "logprob", min_gap, block_rows, contents.tokens[::-1], pos[::-1],
-            contents.k[:, ::-1], contents.v[:, ::-1], hidden,
-        )  # fmt: skip
-        out = out[::-1].copy()
+        # ggml's ordinary causal mask. One layer at a time: the hidden rows [n, n_embd] are the
+        # only state carried between layers, and one layer's K/V is read at a time.
+        nat, tokens = self._native, contents.tokens[::-1]
+        if hidden is None:
+            hidden = nat.cc_embed(self.ptr, tokens, info.n_embd)
+        elif hidden is contents.hidden:  # a reversed copy: the pass updates it in place
+            hidden = np.ascontiguousarray(hidden[::-1], dtype=np.float32)
+        for i, il in enumerate(range(first, info.n_layer)):
+            nat.cc_layer(self.ptr, il, min_gap, block_rows, pos[::-1], contents.k[i][::-1], contents.v[i][::-1], hidden)
+        out = nat.cc_output(self.ptr, score == "logprob", block_rows, tokens, hidden)[::-1].copy()
         out[n - 1 - min_gap :] = np.nan
         return out
 
@@ -136,7 +159,9 @@ def cache_contents(cache, model: SurpriseModel, variant: str) -> CacheContents:
     """Everything a counter-causal pass needs, read from the live cache: K/V from llama.cpp's
     state, tokens from the token buffer, hidden states (fast) kept beside it."""
     first = model.first_layer(variant)
-    positions, k, v = cache.read_kv(range(first, model.info.n_layer))
+    kv = cache.cached_kv(model.info.n_head_kv)  # read a layer at a time as the pass goes
+    layers = range(first, model.info.n_layer)
+    positions, k, v = kv.positions, LayerRows(kv.k_rows, layers), LayerRows(kv.v_rows, layers)
     hidden = None
     if first > 0:
         if cache.hidden is None or cache.hidden_layer != first - 1:
