@@ -53,7 +53,6 @@ class LayerRows:
         return np.stack([self[i] for i in range(len(self))]).astype(dtype or self.dtype, copy=False)
 
 
-@dataclasses.dataclass
 class SurpriseModel:
     """A model's weights mapped for counter-causal passes (one per GGUF file)."""
 
