@@ -151,7 +151,7 @@ def _load_model(args):
     _add_rpc(args.rpc)
     model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts, n_gpu_layers=args.n_gpu_layers)
     if args.n_gpu_layers and not model.n_gpu_layers:
-        print("kvlite: note: this llama.cpp is a CPU build, -ngl is ignored (README: installing on a GPU)",
+        print("kvlite: note: ggml sees no GPU (a CPU build, no --rpc): no layer is offloaded, -ngl is ignored",
               file=sys.stderr)  # fmt: skip
     return model
 

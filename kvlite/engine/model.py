@@ -73,7 +73,7 @@ class Model:
 
     def __init__(self, path: str | pathlib.Path, use_extra_bufts: bool = False, n_gpu_layers: int | None = None):
         """n_gpu_layers: llama.cpp's -ngl, layers whose weights (and KV cache) live on the GPU;
-        None: all of them when llama.cpp was built with a GPU backend (0 on a CPU build)."""
+        None: all of them when ggml sees a GPU (0 on a CPU build without --rpc)."""
         self.info: ModelInfo = read_model_info(path)  # validates before llama.cpp sees the file
         params = L.llama_model_default_params()
         self.n_gpu_layers = offloaded_layers(n_gpu_layers, self.info.n_layer)
