@@ -185,11 +185,18 @@ def test_chat_survives_a_bad_line(tiny_paths):
 # own startup (site), a few milliseconds.
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8])
 def test_ctrl_c_at_any_moment_of_startup(tiny_paths, delay):
-    # As in a terminal: SIGINT at its default in the child, whatever pytest inherited (a shell's
+    # As in a terminal: SIGINT not ignored in the child, whatever pytest inherited (a shell's
     # background job has it ignored, and the signal would then be lost before kvlite's handler).
-    proc = subprocess.Popen([*CMD, "generate", "-m", tiny_paths["llama"], "-p", "hello " * 200, "-n", "3000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tempfile.gettempdir(),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    # A handler in the parent becomes the default across exec; a preexec_fn would slow the start.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([*CMD, "generate", "-m", tiny_paths["llama"], "-p", "hello " * 200, "-n", "3000"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tempfile.gettempdir())  # fmt: skip
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     time.sleep(delay)
     finished_first = proc.poll() is not None  # a fast machine may be done before the signal
     if not finished_first:
