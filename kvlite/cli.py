@@ -193,8 +193,9 @@ def _backend_facts(n_gpu_layers: int | None, n_layer: int) -> dict:
 
     system = L.llama_print_system_info().decode(errors="replace").strip(" |")
     rpc = (pathlib.Path(L.__file__).parent / "lib").glob("*ggml-rpc*")
-    return dict(gpu_offload=default_device() != "cpu", n_gpu_layers=offloaded_layers(n_gpu_layers, n_layer),
-                devices=devices(), kernels_on=default_device(), rpc=any(rpc), system_info=system)  # fmt: skip
+    kernels_on = default_device()
+    return dict(gpu_offload=kernels_on != "cpu", n_gpu_layers=offloaded_layers(n_gpu_layers, n_layer),
+                devices=devices(), kernels_on=kernels_on, rpc=any(rpc), system_info=system)  # fmt: skip
 
 
 def _read_prompt(args) -> str:

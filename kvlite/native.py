@@ -328,13 +328,6 @@ _shared: Native | None = None
 def devices() -> list[dict]:
     """The devices ggml (llama.cpp's build of it) can use: name, description, type, memory in MiB."""
     lib = _ggml()
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
-        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    lib.ggml_backend_dev_type.restype, lib.ggml_backend_dev_type.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p] + [ctypes.POINTER(ctypes.c_size_t)] * 2
     out = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
@@ -370,23 +363,10 @@ def rpc_add_server(endpoint: str) -> list[str]:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as e:
         raise KvliteError(f"no RPC server answers at {endpoint} ({e.strerror or e}): start one there first") from None
-    rpc = _ggml_rpc()
-    rpc.ggml_backend_rpc_add_server.restype, rpc.ggml_backend_rpc_add_server.argtypes = (
-        ctypes.c_void_p,
-        [ctypes.c_char_p],
-    )
-    reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
+    ggml = _ggml_rpc()
+    reg = ggml.ggml_backend_rpc_add_server(endpoint.encode())
     if not reg:
         raise KvliteError(f"the RPC server at {endpoint} offers no device")
-    ggml = _ggml()
-    ggml.ggml_backend_reg_dev_count.restype, ggml.ggml_backend_reg_dev_count.argtypes = (
-        ctypes.c_size_t,
-        [ctypes.c_void_p],
-    )
-    ggml.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
-    ggml.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    ggml.ggml_backend_dev_name.restype, ggml.ggml_backend_dev_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
     names = [ggml.ggml_backend_dev_name(ggml.ggml_backend_reg_dev_get(reg, i)).decode()
              for i in range(ggml.ggml_backend_reg_dev_count(reg))]  # fmt: skip
     if not any(endpoint == d["description"] for d in devices()):  # registering twice would list it twice
@@ -396,12 +376,9 @@ def rpc_add_server(endpoint: str) -> list[str]:
 
 def rpc_serve(endpoint: str, n_threads: int) -> None:
     """Serve this machine's CPU backend to RPC clients at endpoint (blocks; ggml's rpc-server)."""
-    rpc = ggml = _ggml_rpc()
-    ggml.ggml_backend_dev_by_type.restype, ggml.ggml_backend_dev_by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    ggml = _ggml_rpc()
     cpu = ggml.ggml_backend_dev_by_type(_DEVICE_TYPES.index("cpu"))
-    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
-                                                  ctypes.POINTER(ctypes.c_void_p)]  # fmt: skip
-    rpc.ggml_backend_rpc_start_server(endpoint.encode(), None, n_threads, 1, (ctypes.c_void_p * 1)(cpu))
+    ggml.ggml_backend_rpc_start_server(endpoint.encode(), None, n_threads, 1, (ctypes.c_void_p * 1)(cpu))
     raise KvliteError(f"the RPC server could not start at {endpoint} (see ggml's message above)")
 
 
@@ -409,8 +386,25 @@ def rpc_serve(endpoint: str, n_threads: int) -> None:
 def _ggml() -> ctypes.CDLL:
     """ggml's own functions, looked up through kvlite's library: its dependencies resolve by soname
     to the copies libllama mapped. (The wheel ships libggml.so and libggml.so.0 as two files, and
-    opening one by path can map a second copy, with a device registry llama.cpp never sees.)"""
-    return ctypes.CDLL(str(_find_library()))
+    opening one by path can map a second copy, with a device registry llama.cpp never sees.)
+    Their prototypes are declared here, once."""
+    lib = ctypes.CDLL(str(_find_library()))
+    ptr, size = ctypes.c_void_p, ctypes.c_size_t
+    lib.ggml_backend_dev_count.restype = size
+    lib.ggml_backend_dev_get.restype, lib.ggml_backend_dev_get.argtypes = ptr, [size]
+    lib.ggml_backend_dev_by_type.restype, lib.ggml_backend_dev_by_type.argtypes = ptr, [ctypes.c_int]
+    for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+        fn.restype, fn.argtypes = ctypes.c_char_p, [ptr]
+    lib.ggml_backend_dev_type.restype, lib.ggml_backend_dev_type.argtypes = ctypes.c_int, [ptr]
+    lib.ggml_backend_dev_memory.argtypes = [ptr] + [ctypes.POINTER(size)] * 2
+    lib.ggml_backend_reg_dev_count.restype, lib.ggml_backend_reg_dev_count.argtypes = size, [ptr]
+    lib.ggml_backend_reg_dev_get.restype, lib.ggml_backend_reg_dev_get.argtypes = ptr, [ptr, size]
+    lib.ggml_backend_register.argtypes = [ptr]
+    if hasattr(lib, "ggml_backend_rpc_add_server"):  # llama.cpp built with -DGGML_RPC=ON
+        lib.ggml_backend_rpc_add_server.restype, lib.ggml_backend_rpc_add_server.argtypes = ptr, [ctypes.c_char_p]
+        lib.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, size, size,
+                                                      ctypes.POINTER(ptr)]  # fmt: skip
+    return lib
 
 
 def _ggml_rpc() -> ctypes.CDLL:

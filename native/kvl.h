@@ -56,7 +56,8 @@ struct kvl_ctx {
 };
 void kvl_free(struct kvl_ctx * c);
 
-// Allocate gf's tensors, copy inputs in, compute, copy `out` back. Returns a kvl_status.
+// Mark the inputs and `out`, allocate gf's tensors, copy inputs in, compute, copy `out` back.
+// Returns a kvl_status.
 struct kvl_input {
     struct ggml_tensor * tensor;
     const void * data;

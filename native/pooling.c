@@ -188,10 +188,7 @@ int kvl_rope(struct kvl_ctx * c, const struct kvl_rope * rope, const float * x, 
     if (!g) return KVL_NO_MEMORY;
     struct ggml_tensor * tx = ggml_new_tensor_3d(g, GGML_TYPE_F32, head_dim, n_head, n_tok);
     struct ggml_tensor * tp = ggml_new_tensor_1d(g, GGML_TYPE_I32, n_tok);
-    ggml_set_input(tx);
-    ggml_set_input(tp);
     struct ggml_tensor * r = kvl_rope_ext(g, tx, tp, rope);
-    ggml_set_output(r);
     struct ggml_cgraph * gf = ggml_new_graph(g);
     ggml_build_forward_expand(gf, r);
     const struct kvl_input in[] = {{tx, x}, {tp, pos}};

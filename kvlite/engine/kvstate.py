@@ -135,23 +135,22 @@ def _walk(r: _Reader) -> list[_Layout | None]:
         lay = _Layout(pos=pos, seq_ids=seq_ids)
         lay.v_trans, n_layer = r.unpack("<II")
         for _ in range(n_layer):
-            k_type, row = r.unpack("<iQ")
-            lay.k_types.append((k_type, row))
-            lay.k_at.append(r.skip(cells * row))
+            lay.k_types.append(r.unpack("<iQ"))  # (ggml type, row bytes)
+            lay.k_at.append(r.skip(_nbytes(cells, lay.k_types[-1])))
         for _ in range(n_layer):
             v_type = r.unpack("<i")
-            if not lay.v_trans:
-                row = r.unpack("<Q")
-                lay.v_types.append((v_type, row))
-                lay.v_at.append(r.skip(cells * row))
-            else:
-                el, n_embd = r.unpack("<II")
-                lay.v_types.append((v_type, el, n_embd))
-                lay.v_at.append(r.skip(n_embd * cells * el))
+            # (ggml type, row bytes), or transposed: (ggml type, element bytes, n_embd)
+            lay.v_types.append((v_type, *r.unpack("<II")) if lay.v_trans else (v_type, r.unpack("<Q")))
+            lay.v_at.append(r.skip(_nbytes(cells, lay.v_types[-1], lay.v_trans)))
         streams.append(lay)
     if not r.at_end():
         raise KvliteError("KV state has unexpected trailing bytes")
     return streams
+
+
+def _nbytes(cells: int, desc: tuple, v_trans: int = 0) -> int:
+    """Bytes of one layer's data for `cells` cells (desc: its k_types or v_types entry)."""
+    return cells * desc[1] * (desc[2] if v_trans else 1)
 
 
 def _view(raw: np.ndarray, cells: int, desc: tuple, v_trans: int = 0) -> np.ndarray:
@@ -175,9 +174,9 @@ def parse(blob: bytes) -> SeqState:
             continue
         n = len(lay.pos)
         st = Stream(pos=lay.pos, seq_ids=lay.seq_ids, v_trans=lay.v_trans, k_types=lay.k_types, v_types=lay.v_types)
-        st.k = [_view(data[o : o + n * t[1]], n, t) for o, t in zip(lay.k_at, lay.k_types)]
-        v_bytes = [n * t[1] if not lay.v_trans else n * t[1] * t[2] for t in lay.v_types]
-        st.v = [_view(data[o : o + b], n, t, lay.v_trans) for o, b, t in zip(lay.v_at, v_bytes, lay.v_types)]
+        st.k = [_view(data[o : o + _nbytes(n, t)], n, t) for o, t in zip(lay.k_at, lay.k_types)]
+        vt = lay.v_trans
+        st.v = [_view(data[o : o + _nbytes(n, t, vt)], n, t, vt) for o, t in zip(lay.v_at, lay.v_types)]
         streams.append(st)
     return SeqState(seq_id=seq_id, streams=streams)
 
@@ -231,7 +230,7 @@ class StateFile:
 
     def _read(self, offset: int, desc: tuple, order: np.ndarray | None, v_trans: int = 0) -> np.ndarray:
         n = len(self.pos)
-        raw = np.empty(n * desc[1] * (desc[2] if v_trans else 1), np.uint8)
+        raw = np.empty(_nbytes(n, desc, v_trans), np.uint8)
         self.f.seek(offset)
         if self.f.readinto(memoryview(raw)) != len(raw):
             raise KvliteError("KV state file is shorter than its header says")
