@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .engine import Model
 from .engine.model import drop_prefix
@@ -68,10 +68,11 @@ class Session:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
         progress: bool = False,
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> Generation:
         """Complete one prompt on a fresh cache (chat=True wraps it as a user turn of the template;
         its text is never read as control tokens). progress: a prefill progress bar on stderr when
-        it is a terminal."""
+        it is a terminal. interrupted: checked between chunks and tokens; True stops the run."""
         if not prompt.strip():
             raise KvliteError("the prompt is empty")
         if n_predict < 0:
@@ -83,8 +84,12 @@ class Session:
         runner = self._runner(self.settings.n_ctx, len(tokens), n_predict)
         try:
             with progress_bar(len(tokens) if progress else 0, "prefill", min_total=max(1, 2 * runner.chunk)) as bar:
-                runner.feed(tokens, progress=bar)
-            out, stopped = runner.generate(n_predict, on_text=on_text)
+                complete = runner.feed(tokens, progress=bar, interrupted=interrupted)
+            out, stopped = (
+                runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
+                if complete
+                else ([], "interrupted")
+            )
             return Generation(
                 text=self.model.detokenize(out),
                 prompt_tokens=len(tokens),
@@ -142,18 +147,26 @@ class Conversation:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.rendered = ""  # the text of the conversation the cache holds
 
-    def turn(self, user: str, n_predict: int, on_text, interrupted, progress: bool = True) -> tuple[str, str]:
-        """Feed one user message and generate the reply. Returns (reply, why it stopped)."""
+    def turn(
+        self, user: str | Sequence[dict], n_predict: int, on_text, interrupted, progress: bool = True
+    ) -> tuple[str, str]:
+        """Feed one user message (or the messages that follow the conversation, the last a user's)
+        and generate the reply. Returns (reply, why it stopped)."""
         model = self.runner.model
-        messages = [*self.messages, {"role": "user", "content": user}]
+        new = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
+        if not new or new[-1].get("role") != "user":
+            raise KvliteError("the last message of a turn must be the user's")
+        messages = [*self.messages, *new]
         # The template re-renders the whole conversation; the cache already holds its prefix (as
         # text: the reply's tokens as generated need not be how the text would tokenize).
         pieces = model.chat_segments(messages, add_assistant=True)
         full = "".join(t for t, _ in pieces)
-        skip = len(self.rendered) if full.startswith(self.rendered) else 0
-        tokens = model.tokenize_pieces(drop_prefix(pieces, skip), add_special=not self.rendered)
         runner, cache = self.runner, self.runner.cache
-        question = asks_something(user)
+        if not full.startswith(self.rendered):  # the template re-rendered what the cache holds: read it all again
+            cache.reset()
+            self.rendered = ""
+        tokens = model.tokenize_pieces(drop_prefix(pieces, len(self.rendered)), add_special=not self.rendered)
+        question = asks_something(new[-1]["content"])
         evict = self._make_room(len(tokens), n_predict)
         start, evicted = cache.n_pos, cache.evicted
         with progress_bar(len(tokens) if progress else 0, "prefill", min_total=2 * runner.chunk) as bar:

@@ -1,4 +1,4 @@
-"""`kvlite info | generate | chat | eval`: llama.cpp-style flags, one-line errors, --json for scripts."""
+"""`kvlite info | generate | chat | eval | serve`: llama.cpp-style flags, one-line errors, --json for scripts."""
 
 from __future__ import annotations
 
@@ -107,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict", default="eager", choices=["eager", "lazy"],
                    help="eager: evict to --budget after every turn is read; lazy: keep whole turns until the next "
                    "would pass the cache cap (-c, default 4096), then evict with that turn's queries")  # fmt: skip
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
+    _add_run_args(p)
+    p.set_defaults(n_predict=256)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--slots", type=int, default=4, help="conversations whose compressed cache is kept (LRU)")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait; more get a 503 with Retry-After")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    p.add_argument("--evict", default="eager", choices=["eager", "lazy"], help="chat eviction mode (as kvlite chat)")
+    p.add_argument("-a", "--alias", default=None, help="the model's id in /v1/models and responses")
+    p.add_argument("--max-tokens", type=int, default=4096, help="the most max_tokens a request may ask for")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="where POST /slots/ID?action=save|restore keeps slot files (off without it)")  # fmt: skip
 
     from .eval.cli import add_parser as add_eval_parser
 
@@ -273,6 +287,33 @@ def cmd_chat(args) -> int:
     return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict)
 
 
+def cmd_serve(args) -> int:
+    from .policies import ALL_PARAMS
+
+    try:
+        import fastapi  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise KvliteError(f"kvlite serve needs the serve extra ({e.name} is missing): pip install 'kvlite[serve]' "
+                          "or bash scripts/setup.sh --serve") from None  # fmt: skip
+    from .http_app import serve
+    from .serve import ServeConfig
+
+    policy, settings = _policy_from_args(args), _settings_from_args(args)  # checked before the port is taken
+    _note_ctx(settings.n_ctx)
+    _add_rpc(args.rpc)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"kvlite: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
+              file=sys.stderr)  # fmt: skip
+    cfg = ServeConfig(model=args.model, host=args.host, port=args.port, policy=policy.name,
+                      params={name: getattr(args, name) for name in ALL_PARAMS}, settings=settings, evict=args.evict,
+                      n_predict=args.n_predict, max_tokens=args.max_tokens, slots=args.slots, queue=args.queue,
+                      api_key=args.api_key, n_gpu_layers=args.n_gpu_layers, extra_bufts=args.extra_bufts,
+                      model_alias=args.alias, slot_save_path=args.slot_save_path)  # fmt: skip
+    return serve(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The console script. Everything heavy (numpy, llama.cpp) is imported in here, so a Ctrl-C
     at any moment, imports included, ends with one line and exit status 130."""
@@ -290,7 +331,8 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from .eval.cli import cmd_eval
 
-    handler = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat, "eval": cmd_eval}[args.command]
+    handler = {"info": cmd_info, "generate": cmd_generate, "chat": cmd_chat, "eval": cmd_eval, "serve": cmd_serve}
+    handler = handler[args.command]
     try:
         rc = handler(args)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, not at interpreter exit

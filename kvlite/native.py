@@ -299,9 +299,9 @@ class Native:
     def capture_drop(self, cap: int, want: int) -> None:
         self._lib.kvl_capture_drop(cap, want)
 
-    def capture_records(self, cap: int) -> list[tuple[int, np.ndarray]]:
-        """Every record since the last clear: (want index, a float32 copy in ggml's 4-d shape,
-        numpy order)."""
+    def capture_records(self, cap: int, only: int | None = None) -> list[tuple[int, np.ndarray]]:
+        """Every record since the last clear, or those of want index `only`: (want index, a float32
+        copy in ggml's 4-d shape, numpy order). Only the records asked for are copied."""
         n = self._lib.kvl_capture_count(cap)
         if n < 0:
             raise MemoryError("the capture could not store a tensor (out of memory)")
@@ -310,7 +310,8 @@ class Native:
         ne = (ctypes.c_int64 * 4)()
         for i in range(n):
             ptr = self._lib.kvl_capture_record(cap, i, ctypes.byref(want), ne)
-            out.append((want.value, np.ctypeslib.as_array(ptr, shape=tuple(ne)[::-1]).copy()))
+            if only is None or want.value == only:
+                out.append((want.value, np.ctypeslib.as_array(ptr, shape=tuple(ne)[::-1]).copy()))
         return out
 
     def close(self) -> None:

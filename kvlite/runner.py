@@ -185,6 +185,12 @@ class Runner:
         if self.capture is not None:
             self.capture.clear()
 
+    def use_sampling(self, params: SamplingParams) -> None:
+        """Sample the next replies with these parameters (a server's per-request temperature)."""
+        if params != self.sampler.params:
+            self.sampler.close()
+            self.sampler = Sampler(params)
+
     def close(self) -> None:
         self.sampler.close()
         self.ctx.close()

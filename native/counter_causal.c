@@ -51,6 +51,22 @@ static struct ggml_tensor * kvl_weight(struct kvl_model * m, const char * fmt, i
     return t;
 }
 
+// Drops this mapping's pages of the given weights once a pass has used them. The data stays in the
+// page cache (and in llama.cpp's own mapping of the file), so nothing is lost; without this, RSS
+// counts every weight page twice, once per mapping, for as long as the model is loaded.
+static void kvl_release(const struct kvl_model * m, const struct ggml_tensor * const * ts, int n) {
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    const uintptr_t lo_map = (uintptr_t) m->map, hi_map = lo_map + m->map_size;
+    for (int i = 0; i < n; i++) {
+        if (!ts[i]) continue;
+        uintptr_t lo = (uintptr_t) ts[i]->data & ~(page - 1);
+        uintptr_t hi = ((uintptr_t) ts[i]->data + ggml_nbytes(ts[i]) + page - 1) & ~(page - 1);
+        if (lo < lo_map) lo = lo_map;
+        if (hi > hi_map) hi = hi_map;
+        if (hi > lo) madvise((void *) lo, hi - lo, MADV_DONTNEED);  // advisory: a failure costs only RSS
+    }
+}
+
 // Memory-maps the GGUF (the page cache then holds one copy, shared with llama.cpp's own mapping)
 // and points ggml tensors at the weights as stored, quantized or not. NULL on failure.
 struct kvl_model * kvl_model_load(const char * path, const struct kvl_hparams * hp) {
@@ -152,6 +168,7 @@ int kvl_cc_embed(struct kvl_ctx * c, const struct kvl_model * m, int n, const in
     const struct kvl_input in[] = {{t_tok, tokens}};
     const int rc = kvl_run(c, gf, in, 1, x, hidden);
     ggml_free(g);
+    kvl_release(m, (const struct ggml_tensor * const[]) {m->tok_embd}, 1);
     return rc;
 }
 
@@ -215,6 +232,8 @@ int kvl_cc_layer(struct kvl_ctx * c, const struct kvl_model * m, int il, int gap
     }
     ggml_backend_buffer_free(kv_buf);
     ggml_free(gkv);
+    const struct ggml_tensor * used[] = {L->attn_norm, L->wq, L->bq, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+    kvl_release(m, used, (int) (sizeof(used) / sizeof(used[0])));
     return rc;
 }
 
@@ -229,7 +248,7 @@ int kvl_cc_output(struct kvl_ctx * c, const struct kvl_model * m, int normalized
         const int len = r0 + block <= n ? block : n - r0;
         struct ggml_init_params ip = {ggml_tensor_overhead() * 32 + ggml_graph_overhead(), NULL, true};
         struct ggml_context * g = ggml_init(ip);
-        if (!g) return KVL_NO_MEMORY;
+        if (!g) { rc = KVL_NO_MEMORY; break; }
         struct ggml_tensor * t_tok = ggml_new_tensor_1d(g, GGML_TYPE_I32, len);
         struct ggml_tensor * x = ggml_new_tensor_2d(g, GGML_TYPE_F32, hp->n_embd, len);
         struct ggml_tensor * h = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), m->out_norm);
@@ -244,5 +263,6 @@ int kvl_cc_output(struct kvl_ctx * c, const struct kvl_model * m, int normalized
         rc = kvl_run(c, gf, in, 2, s, out + r0);
         ggml_free(g);
     }
+    kvl_release(m, (const struct ggml_tensor * const[]) {m->out_norm, m->output}, 2);
     return rc;
 }

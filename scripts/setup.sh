@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Creates .venv and installs kvlite with the default model. With --test, the test tools too.
+# Creates .venv and installs kvlite with the default model. With --serve, what `kvlite serve`
+# needs (FastAPI, uvicorn, sse-starlette); with --test, that and the test tools.
 # llama-cpp-python compiles from source on the first install (~13 min on 2 cores); pip caches
 # the wheel, and kvlite's own build links against the ggml it installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+case "${1:-}" in
+  --test) extra="[test]" ;;
+  --serve) extra="[serve]" ;;
+  "") ;;
+  *) echo "usage: bash scripts/setup.sh [--serve | --test]" >&2; exit 2 ;;
+esac
 python3 -m venv .venv
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1

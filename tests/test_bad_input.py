@@ -118,7 +118,7 @@ CASES = {
         ["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "64", "-T", "8"],
         None,
         None,
-        "policy snapkv has no parameter -T",
+        "policy snapkv has no parameter lookahead (-T)",
     ),  # fmt: skip
     "--pool-kernel 4": (
         ["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "64", "--pool-kernel", "4"],

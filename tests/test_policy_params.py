@@ -32,7 +32,7 @@ def test_every_field_is_declared(name):
 def test_unknown_parameter_names_the_valid_ones():
     with pytest.raises(KvliteError, match=r"no parameter kernal: it takes .*pool_kernel \(--pool-kernel\)"):
         make_policy("echokv", kernal=7)
-    with pytest.raises(KvliteError, match="policy snapkv has no parameter --anchors"):
+    with pytest.raises(KvliteError, match=r"policy snapkv has no parameter anchors \(--anchors\)"):
         make_policy("snapkv", budget=64, anchors=4)
 
 

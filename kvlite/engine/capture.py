@@ -76,8 +76,12 @@ class Capture:
     @property
     def data(self) -> dict[tuple[str, int], list[np.ndarray]]:
         """Everything captured since the last clear: (kind, layer) -> one array per ubatch."""
+        return self._records()
+
+    def _records(self, only: tuple[str, int] | None = None) -> dict[tuple[str, int], list[np.ndarray]]:
         out: dict[tuple[str, int], list[np.ndarray]] = {}
-        for want, a in self._native.capture_records(self.ptr):
+        index = None if only is None else self._wants.index(only)
+        for want, a in self._native.capture_records(self.ptr, index):
             kind, il = self._wants[want]
             dims = KINDS[kind][2]
             out.setdefault((kind, il), []).append(a.reshape(a.shape[-dims:]))  # ggml's unit dims dropped
@@ -85,8 +89,10 @@ class Capture:
 
     def get(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:
         """The captured tensor, ubatches stacked along tokens; a list of per-ubatch arrays for kinds
-        whose n_kv can change between ubatches (kq, k_cache)."""
-        parts = self.data.get((kind, layer), [])
+        whose n_kv can change between ubatches (kq, k_cache). Copies only that tensor's records."""
+        if (kind, layer) not in self._wants:
+            raise KeyError(f"nothing captured for {kind} of layer {layer}")
+        parts = self._records((kind, layer)).get((kind, layer), [])
         if not parts:
             raise KeyError(f"nothing captured for {kind} of layer {layer}")
         axis = KINDS[kind][3]

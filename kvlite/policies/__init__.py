@@ -44,7 +44,7 @@ def make_policy(name: str, **params: Any) -> Policy:
     declared = cls.params()
     unknown = sorted(k for k, v in params.items() if k not in declared and v is not None)
     if unknown:
-        spelled = ", ".join(ALL_PARAMS[k].spelling if k in ALL_PARAMS else k for k in unknown)
+        spelled = ", ".join(f"{k} ({ALL_PARAMS[k].spelling})" if k in ALL_PARAMS else k for k in unknown)
         takes = ", ".join(f"{n} ({p.spelling})" for n, p in declared.items())
         raise KvliteError(f"policy {name} has no parameter {spelled}: it takes {takes}")
     policy = cls(**{k: v for k, v in params.items() if v is not None})

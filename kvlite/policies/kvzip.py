@@ -95,7 +95,7 @@ class KVzip(Policy):
             for il in range(keys.n_layer):
                 cached = keys.layer(il)
                 ks = np.concatenate([cached[:, :sink], cached[:, c0:c1], k[il].astype(cached.dtype)], axis=1)
-                s = native().attn_pool(q[il : il + 1], ks[None], reduce="max", causal_tail=q.shape[2])
+                s = native().attn_pool(q[il][None], ks[None], reduce="max", causal_tail=q[il].shape[1])
                 out[il, :, c0:c1] = s[0, :, sink : sink + c1 - c0]  # s: [1, Hkv, sink + chunk + pass]
         return out
 

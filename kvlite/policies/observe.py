@@ -140,9 +140,10 @@ class Lookahead:
             self.capture.enabled = False
         return np.ascontiguousarray(q.transpose(0, 2, 1, 3))
 
-    def reconstruct(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def reconstruct(self, tokens: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Teacher-force tokens on the workspace after what it views (KVzip's repeat pass). Returns
-        their post-RoPE queries [L, H, n, D] and keys [L, Hkv, n, D]."""
+        their post-RoPE queries and keys per layer ([H, n, D] and [Hkv, n, D]). Taken a layer at a
+        time, so the capture's buffer shrinks as the copies grow (no stacked copy of all layers)."""
         info = self.obs.info
         if not self.capture.wants("k", 0):
             raise KvliteError("reconstruction needs a context capturing keys")
@@ -151,12 +152,17 @@ class Lookahead:
         try:
             self.cache.workspace_decode(tokens, logits="none")
             self.obs.workspace_forward_passes += -(-len(tokens) // self.ctx.n_batch)
-            q = np.stack([self.capture.take("q", il) for il in range(info.n_layer)])  # [L, n, H, D]
-            k = np.stack([self.capture.take("k", il) for il in range(info.n_layer)])  # [L, n, Hkv, D]
+            q = [_heads_first(self.capture.take("q", il)) for il in range(info.n_layer)]
+            k = [_heads_first(self.capture.take("k", il)) for il in range(info.n_layer)]
         finally:
             self.capture.enabled = False
-        return np.ascontiguousarray(q.transpose(0, 2, 1, 3)), np.ascontiguousarray(k.transpose(0, 2, 1, 3))
+        return q, k
 
     def close(self) -> None:
         if self.cache.workspace_active:
             self.cache.workspace_drop()
+
+
+def _heads_first(a: np.ndarray) -> np.ndarray:
+    """[n, H, D] -> contiguous [H, n, D]."""
+    return np.ascontiguousarray(a.transpose(1, 0, 2))
