@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .api import EVICT_MODES, Conversation, Session
+from .api import CHAT_CTX, EVICT_MODES, Conversation, Session
 from .cache import Snapshot
 from .engine import Model, SamplingParams
 from .errors import KvliteError
@@ -438,8 +438,12 @@ class Server:
     # -- completions ----------------------------------------------------------------------------
     def complete(self, prompt: str, req: Ask, on_text: Callable[[str], None] | None,
                  cancelled: Callable[[], bool]) -> Result:  # fmt: skip
-        """A prompt on a fresh cache (no slot: completions carry no conversation)."""
-        session = Session(self.model, req.policy, dataclasses.replace(self.cfg.settings, sampling=req.sampling))
+        """A prompt on a fresh cache (no slot: completions carry no conversation). Its context is
+        bounded as a slot's is (-c, else 4096 cells; chunked mode: budget + chunk), not sized to
+        whatever prompt arrives."""
+        n_ctx = self.cfg.settings.n_ctx or (0 if req.policy.continuous else CHAT_CTX)
+        settings = dataclasses.replace(self.cfg.settings, sampling=req.sampling, n_ctx=n_ctx)
+        session = Session(self.model, req.policy, settings)
         stops = StopFilter(req.stop)
         emit = (lambda s: on_text(stops.push(s))) if on_text else stops.push
         try:

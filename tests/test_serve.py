@@ -163,6 +163,10 @@ BAD = [
     ({"messages": FRANCE, "n": 2}, 400, "n=1"),
     ({"messages": FRANCE, "stop": [1]}, 400, "stop"),
     ({"prompt": ""}, 400, "prompt"),
+    ({"messages": [{"role": "user", "content": "caf\ud800"}]}, 400, "UTF-8"),
+    ({"messages": [{"role": "user", "content": "word " * 6000}]}, 400, "context"),
+    ({"prompt": "word " * 9000}, 400, "context"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text"),
 ]
 
 
