@@ -97,6 +97,7 @@ class KVzip(Policy):
                 ks = np.concatenate([cached[:, :sink], cached[:, c0:c1], k[il].astype(cached.dtype)], axis=1)
                 s = native().attn_pool(q[il][None], ks[None], reduce="max", causal_tail=q[il].shape[1])
                 out[il, :, c0:c1] = s[0, :, sink : sink + c1 - c0]  # s: [1, Hkv, sink + chunk + pass]
+            del q, k  # else they live on through the next pass's capture: twice the memory
         return out
 
 
