@@ -284,69 +284,38 @@ def _slot_state(s: Slot) -> dict:
 
 
 def _prometheus(server: Server) -> str:
+    """Prometheus' text format: the counters, then per slot its cells, budget and evictions."""
     m = server.metrics
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float | None]]) -> None:
-        lines.extend([f"# HELP kvlite_{name} {doc}", f"# TYPE kvlite_{name} {kind}"])
-        lines.extend(f"kvlite_{name}{labels} {0 if v is None else v}" for labels, v in samples)
-
     with m.lock:
-        metric(
-            "requests_total",
-            "counter",
-            "Requests, by endpoint.",
-            [(f'{{endpoint="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{endpoint="chat"}', 0)],
-        )
-        metric(
-            "requests_rejected_total",
-            "counter",
-            "Requests answered 503 because the queue was full.",
-            [("", m.rejected)],
-        )
-        metric(
-            "requests_waiting", "gauge", "Requests queued behind the one running.", [("", max(server.active - 1, 0))]
-        )
-        metric("prompt_tokens_total", "counter", "Prompt tokens of the requests answered.", [("", m.prompt_tokens)])
-        metric(
-            "prefilled_tokens_total",
-            "counter",
-            "Prompt tokens prefilled (the rest came from a slot's cache).",
-            [("", m.prefilled_tokens)],
-        )
-        metric("completion_tokens_total", "counter", "Tokens generated.", [("", m.completion_tokens)])
-        metric(
-            "prefill_tokens_per_second",
-            "gauge",
-            "Prefill throughput over all requests.",
-            [("", m.prefilled_tokens / m.prefill_s if m.prefill_s else 0)],
-        )
-        metric(
-            "decode_tokens_per_second",
-            "gauge",
-            "Decode throughput over all requests.",
-            [("", m.completion_tokens / m.decode_s if m.decode_s else 0)],
-        )
-    states = [_slot_state(s) for s in server.slots]
-    budgets = [(s, s.conversation.runner.policy.budget if s.conversation else None) for s in server.slots]
-    metric(
-        "slot_resident_cells",
-        "gauge",
-        "KV cells resident in a slot's cache.",
-        [(f'{{slot="{st["id"]}"}}', st["resident_cells"]) for st in states],
-    )
-    metric(
-        "slot_budget_cells",
-        "gauge",
-        "A slot's KV budget (0: none).",
-        [(f'{{slot="{s.id}"}}', b or 0) for s, b in budgets],
-    )
-    metric(
-        "slot_evicted_cells_total",
-        "counter",
-        "KV cells a slot's conversation has evicted.",
-        [(f'{{slot="{st["id"]}"}}', st["evicted_cells"]) for st in states],
-    )
+        by_endpoint = [(f'{{endpoint="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{endpoint="chat"}', 0)]
+        rows = [
+            ("requests_total", "counter", "Requests, by endpoint.", by_endpoint),
+            ("requests_rejected_total", "counter", "Requests answered 503: the queue was full.", [("", m.rejected)]),
+            ("errors_total", "counter", "Requests that failed inside the server (500).", [("", m.errors)]),
+            ("requests_waiting", "gauge", "Requests queued behind the one running.", [("", max(server.active - 1, 0))]),
+            ("prompt_tokens_total", "counter", "Prompt tokens of the requests answered.", [("", m.prompt_tokens)]),
+            ("prefilled_tokens_total", "counter", "Prompt tokens prefilled (the rest came from a slot's cache).",
+             [("", m.prefilled_tokens)]),
+            ("completion_tokens_total", "counter", "Tokens generated.", [("", m.completion_tokens)]),
+            ("prefill_tokens_per_second", "gauge", "Prefill throughput over all requests.",
+             [("", m.prefilled_tokens / m.prefill_s if m.prefill_s else 0)]),
+            ("decode_tokens_per_second", "gauge", "Decode throughput over all requests.",
+             [("", m.completion_tokens / m.decode_s if m.decode_s else 0)]),
+        ]  # fmt: skip
+    slots = [(f'{{slot="{s.id}"}}', s) for s in server.slots]
+    policy = lambda s: s.conversation.runner.policy if s.conversation else None  # noqa: E731
+    rows += [
+        ("slot_resident_cells", "gauge", "KV cells resident in a slot's cache.",
+         [(label, _slot_state(s)["resident_cells"]) for label, s in slots]),
+        ("slot_budget_cells", "gauge", "A slot's KV budget (0: none).",
+         [(label, (policy(s).budget if policy(s) else 0) or 0) for label, s in slots]),
+        ("slot_evicted_cells_total", "counter", "KV cells a slot's conversation has evicted.",
+         [(label, _slot_state(s)["evicted_cells"]) for label, s in slots]),
+    ]  # fmt: skip
+    lines = []
+    for name, kind, doc, samples in rows:
+        lines += [f"# HELP kvlite_{name} {doc}", f"# TYPE kvlite_{name} {kind}"]
+        lines += [f"kvlite_{name}{labels} {value}" for labels, value in samples]
     return "\n".join(lines) + "\n"
 
 

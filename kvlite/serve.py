@@ -147,7 +147,6 @@ class Ask:
     sampling: SamplingParams
     stop: list[str]
     stream: bool
-    include_usage: bool
     conversation_id: str | None = None
 
 
@@ -168,12 +167,12 @@ def parse_request(body: dict, cfg: ServeConfig, default_sampling: SamplingParams
     try:
         sampling = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, seed=seed)
     except KvliteError as e:
-        raise ApiError(400, str(e).replace("--temp", "temperature").replace("--top-p", "top_p")) from None
+        message = str(e).replace("--temp", "temperature").replace("--top-p", "top_p").replace("--top-k", "top_k")
+        raise ApiError(400, message) from None
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings", param="stop")
-    options = _field(body, "stream_options", dict, {})
     cid = _field(body, "conversation_id", str, None)
     return Ask(
         policy=parse_policy(body, cfg),
@@ -181,7 +180,6 @@ def parse_request(body: dict, cfg: ServeConfig, default_sampling: SamplingParams
         sampling=sampling,
         stop=stop,
         stream=_field(body, "stream", bool, False),
-        include_usage=bool(options.get("include_usage", False)),
         conversation_id=cid,
     )
 
@@ -196,8 +194,9 @@ def parse_policy(body: dict, cfg: ServeConfig) -> Policy:
     if "budget" in body:
         raise ApiError(400, "the budget is 'kv_budget'", param="budget")
     name = _field(body, "kv_policy", str, cfg.policy)
-    # the server's flags hold for its own policy; for another, only its budget carries over
-    params = dict(cfg.params) if name == cfg.policy else {"budget": cfg.params.get("budget")}
+    # the server's flags hold for its own policy; for another, only its budget carries over (not to full)
+    carried = {} if name == "full" else {"budget": cfg.params.get("budget")}
+    params = dict(cfg.params) if name == cfg.policy else carried
     given = {p: body[p] for p in ALL_PARAMS if p in body and p != "budget"}
     if "kv_budget" in body:
         given["budget"] = _field(body, "kv_budget", int)
@@ -208,7 +207,6 @@ def parse_policy(body: dict, cfg: ServeConfig) -> Policy:
         policy = make_policy(name, **{**params, **given})
         if policy.name != "full" and policy.budget is None:
             raise KvliteError(f"kv_policy {name} needs kv_budget (KV cells to keep)")
-        policy.validate()
     except (KvliteError, TypeError, ValueError) as e:
         raise ApiError(400, str(e), param="kv_policy") from None
     return policy
@@ -240,6 +238,15 @@ class StopFilter:
     def flush(self) -> str:
         out, self.held = ("" if self.hit else self.held), ""
         return out
+
+    def around(self, on_text: Callable[[str], None] | None) -> Callable[[str], None]:
+        """on_text behind this filter (or just the filter, which still watches for a stop)."""
+        return (lambda s: on_text(self.push(s))) if on_text else self.push
+
+    def finish(self, on_text: Callable[[str], None] | None) -> None:
+        tail = self.flush()
+        if on_text and tail:
+            on_text(tail)
 
 
 # -- the work -------------------------------------------------------------------------------------
@@ -410,18 +417,16 @@ class Server:
         before = _counters(runner)
         slot_peak, cache.max_cells = cache.max_cells, cache.n_resident  # this request's peak, then the slot's
         stops = StopFilter(req.stop)
-        emit = (lambda s: on_text(stops.push(s))) if on_text else stops.push
         try:
-            reply, stopped = conv.turn(new, req.n_predict, emit, lambda: cancelled() or stops.hit, progress=False)
+            reply, stopped = conv.turn(new, req.n_predict, stops.around(on_text), lambda: cancelled() or stops.hit,
+                                       progress=False)  # fmt: skip
         except KvliteError as e:
             raise ApiError(400, str(e)) from None
         finally:
             slot.last_used, slot.requests = time.time(), slot.requests + 1
             peak = cache.max_cells
             cache.max_cells = max(slot_peak, peak)
-        tail = stops.flush()
-        if on_text and tail:
-            on_text(tail)
+        stops.finish(on_text)
         text = _cut(reply, req.stop)
         if stops.hit:
             stopped = "stop"
@@ -445,14 +450,12 @@ class Server:
         settings = dataclasses.replace(self.cfg.settings, sampling=req.sampling, n_ctx=n_ctx)
         session = Session(self.model, req.policy, settings)
         stops = StopFilter(req.stop)
-        emit = (lambda s: on_text(stops.push(s))) if on_text else stops.push
         try:
-            g = session.generate(prompt, req.n_predict, on_text=emit, interrupted=lambda: cancelled() or stops.hit)
+            g = session.generate(prompt, req.n_predict, on_text=stops.around(on_text),
+                                 interrupted=lambda: cancelled() or stops.hit)  # fmt: skip
         except KvliteError as e:
             raise ApiError(400, str(e)) from None
-        tail = stops.flush()
-        if on_text and tail:
-            on_text(tail)
+        stops.finish(on_text)
         t = g.timings
         info = {
             "policy": repr(req.policy),

@@ -22,7 +22,7 @@ import uvicorn
 from conftest import KVLITE
 
 from kvlite.http_app import create_app
-from kvlite.serve import ServeConfig, Server, StopFilter
+from kvlite.serve import ServeConfig, Server, StopFilter, parse_policy
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test"
@@ -259,6 +259,17 @@ def test_disconnect_stops_the_generation_early(live):
     slot = next(s for s in live.server.slots if s.conversation_id == "early")
     assert slot.conversation.runner.timings.decode_tokens < 300  # stopped, not run to max_tokens
     assert consistent(slot.conversation)
+
+
+def test_request_fields_override_the_server_flags():
+    """The server's policy flags hold for its own policy; another policy gets only the budget, and
+    full none (a request for full on a snapkv server is not refused for the server's budget)."""
+    cfg = ServeConfig(policy="snapkv", params={"budget": 96, "window": 16})
+    assert repr(parse_policy({}, cfg)).startswith("SnapKV(budget=96, sinks=4, window=16")
+    assert parse_policy({"window": 8}, cfg).window == 8
+    assert parse_policy({"kv_policy": "tova"}, cfg).budget == 96
+    assert parse_policy({"kv_policy": "full"}, cfg).budget is None
+    assert parse_policy({"kv_policy": "echokv", "kv_budget": 200, "lookahead": 8}, cfg).lookahead == 8
 
 
 def test_slots_are_reused_by_prefix_and_evicted_lru(smol_model):
