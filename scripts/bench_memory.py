@@ -2,7 +2,8 @@
 
 One process per policy (so each peak is its own), the same prompt (prose, 8K tokens of SmolLM2 by
 default), prefill-end eviction to --budget. Target (issue 12): every scored policy within 1.15x
-of full. The ratio is the number to read; absolute MB depend on the build and the allocator.
+of full. The ratio is the number to read; absolute MB depend on the build and the allocator. On a
+CUDA machine (nvidia-smi present) each run's peak device memory is printed beside it.
 Memory does not depend on what else runs, so this can share the CPU (its seconds cannot).
 
 usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--json]
@@ -14,9 +15,11 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from kvlite.engine import Model
@@ -44,7 +47,9 @@ def generate_peak(prompt_file: str, *flags: str) -> dict:
     cmd = [str(kvlite), "generate", "-f", prompt_file, "--json", *flags]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        peak_kb = 0
+        peak_kb, device = 0, [0.0]
+        if shutil.which("nvidia-smi"):  # a CUDA machine: the device's peak too (nvidia-smi is slow: its own thread)
+            threading.Thread(target=_poll_device, args=(proc, device), daemon=True).start()
         while proc.poll() is None:
             peak_kb = max(peak_kb, _vm_hwm_kb(proc.pid))
             time.sleep(0.05)
@@ -54,7 +59,23 @@ def generate_peak(prompt_file: str, *flags: str) -> dict:
         out.seek(0)
         result = json.loads(out.read())
     result["peak_rss_mb"] = peak_kb / 1024
+    result["peak_device_mb"] = device[0] if shutil.which("nvidia-smi") else None
     return result
+
+
+def _poll_device(proc: subprocess.Popen, peak: list[float]) -> None:
+    """The most device memory nvidia-smi saw the process use (MiB)."""
+    query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+    while proc.poll() is None:
+        try:
+            rows = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout.splitlines()
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        for row in rows:
+            pid, _, used = row.partition(",")
+            if pid.strip() == str(proc.pid) and used.strip().isdigit():
+                peak[0] = max(peak[0], float(used))
+        time.sleep(0.1)
 
 
 def _vm_hwm_kb(pid: int) -> int:
@@ -85,14 +106,16 @@ def main() -> None:
         for name in names:
             budget = [] if name == "full" else ["--budget", str(args.budget)]
             r = generate_peak(prompt, "--policy", name, *budget, "-n", str(args.n_predict))
-            rows.append(dict(policy=name, peak_rss_mb=r["peak_rss_mb"], prompt_tokens=r["prompt_tokens"],
+            rows.append(dict(policy=name, peak_rss_mb=r["peak_rss_mb"], peak_device_mb=r["peak_device_mb"],
+                             prompt_tokens=r["prompt_tokens"],
                              max_cells=r["cache"]["max_cells"], evict_s=r["timings"].get("evict_s")))  # fmt: skip
             full = rows[0]["peak_rss_mb"]
             ratio = r["peak_rss_mb"] / full
             mark = "" if name == "full" else ("  ok" if ratio <= TARGET else f"  over {TARGET}x")
+            dev = "" if r["peak_device_mb"] is None else f"  device {r['peak_device_mb']:7.0f} MiB"
             if not args.json:
                 print(f"{name:10s} {r['prompt_tokens']:6d} tokens  peak RSS {r['peak_rss_mb']:7.0f} MB  "
-                      f"{ratio:5.2f}x full{mark}", flush=True)  # fmt: skip
+                      f"{ratio:5.2f}x full{mark}{dev}", flush=True)  # fmt: skip
     if args.json:
         full = rows[0]["peak_rss_mb"]
         print(json.dumps([dict(r, vs_full=r["peak_rss_mb"] / full) for r in rows], indent=1))
