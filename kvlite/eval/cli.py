@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rpc", default=None, metavar="SERVERS", help="comma-separated HOST:PORT of ggml RPC servers")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None, metavar="N",
                    help="layers to offload to the GPU (default: all on a CUDA or Metal build)")  # fmt: skip
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the units on Ray: a local instance, or the cluster at ADDRESS (ray start --head); "
+                   "needs the ray extra")  # fmt: skip
     p.add_argument("--shard", default=None, help="i/n: run every n-th sample starting at the i-th")
     p.add_argument("--out", default=None, help="output directory (default eval-out)")
     p.add_argument("--merge", nargs="+", metavar="DIR", help="merge shard directories into --out, run nothing")
@@ -86,14 +89,17 @@ def cmd_eval(args) -> int:
     overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
                                                "n", "seed", "split", "depth", "policies", "budgets", "n_predict",
                                                "max_length", "diagnostics", "evolution", "threads", "n_gpu_layers",
-                                               "shard", "out")}  # fmt: skip
+                                               "shard", "out", "ray")}  # fmt: skip
     cfg = GridConfig.load(args.config, overrides)
+    if args.rpc and cfg.ray:
+        raise KvliteError("--rpc and --ray together are not supported: the RPC servers would be the driver's only")
     if args.rpc:
         from ..native import rpc_add_servers
 
         rpc_add_servers(args.rpc)
     out = cfg.out_dir
     failures = 0
+    nodes: dict[str, list] = {}  # --ray: cells and unit seconds per worker node
     if args.merge:
         for d in map(pathlib.Path, args.merge):
             if not d.is_dir():
@@ -109,7 +115,12 @@ def cmd_eval(args) -> int:
     else:
         grid = Grid(cfg)
         with progress_bar(grid.count_todo(), "eval", unit="cell") as bar:
-            grid.run(progress=bar)
+            if cfg.ray:
+                from .distributed import run as run_on_ray
+
+                nodes = run_on_ray(grid, progress=bar)
+            else:
+                grid.run(progress=bar)
         failures = grid.failures
     records = read_records(out)
     rows = report.write_summary(out, records)
@@ -125,6 +136,8 @@ def cmd_eval(args) -> int:
             print(f"[kvlite eval] {t['cells']} cells, {t['total_s']:.0f} s: model {t['model_s']:.0f} s, policies "
                   f"{t['policy_s']:.0f} s, harness overhead {share:.1f}%; reading each prompt once saved "
                   f"~{t['replay_saved_s']:.0f} s", file=sys.stderr)  # fmt: skip
+        for node, (cells, seconds) in sorted(nodes.items()):
+            print(f"[kvlite eval] ray node {node}: {cells} cells in {seconds:.0f} s of units", file=sys.stderr)
     if failures:
         print(f"kvlite eval: {failures} cell(s) or line(s) failed (see {out}/errors*.jsonl); the rest is in {out}",
               file=sys.stderr)  # fmt: skip

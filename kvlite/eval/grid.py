@@ -13,7 +13,7 @@ import re
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..engine import Model
 from ..errors import KvliteError
@@ -65,6 +65,8 @@ class GridConfig:
     n_gpu_layers: int | None = None  # -ngl (None: all layers on a GPU build)
     shard: str = "1/1"
     out: str = "eval-out"
+    ray: str | None = None  # run the units on Ray: a cluster's address, or "local" (kvlite eval --ray)
+    ray_retries: int = 3  # how often a unit whose worker died is tried again elsewhere
 
     @classmethod
     def load(cls, path: str | pathlib.Path | None, overrides: dict) -> GridConfig:
@@ -100,6 +102,8 @@ class GridConfig:
             raise KvliteError(f"-t must be a positive number of threads, got {self.threads}")
         if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
             raise KvliteError(f"-ngl must be 0 or more layers, got {self.n_gpu_layers}")
+        if self.ray_retries < 0:
+            raise KvliteError(f"ray_retries must be 0 or more, got {self.ray_retries}")
         if self.split not in tasks.SPLITS:
             raise KvliteError(f"--split must be one of {', '.join(tasks.SPLITS)}, got '{self.split}'")
         if self.tasks is None:
@@ -248,44 +252,73 @@ class Grid:
             f.write(json.dumps(record) + "\n")
             f.flush()
 
-    def run(self, progress=None) -> None:
-        """Run every unfinished cell of this shard. progress(n) is called per cell done."""
-        cfg = self.cfg
+    def start(self) -> set:
+        """Ready the output directory; the keys of the cells already recorded there."""
         prepare_out(self.out)
         for path in (self.samples_path, self.errors_path):
             if repair_tail(path):
                 self.log(
                     f"kvlite eval: dropped a partial last line of {path} (an interrupted write); its cell runs again"
                 )
-        done = {record_key(r) for r in read_records(self.out)}
-        for model_arg in cfg.models:
+        return {record_key(r) for r in read_records(self.out)}
+
+    def units(self) -> Iterator[tuple[pathlib.Path, Model, str, tasks.Sample]]:
+        """The units of work, (model, sample): all of a sample's cells share its prefill."""
+        for model_arg in self.cfg.models:
             path = resolve_model(None if model_arg == "default" else model_arg)
-            model = Model(path, n_gpu_layers=cfg.n_gpu_layers)
-            label = model_label(path)
+            model = Model(path, n_gpu_layers=self.cfg.n_gpu_layers)
             try:
                 for sample in self._samples(model):
-                    self._run_sample(model, label, sample, done, progress)
+                    yield path, model, model_label(path), sample
             finally:
                 model.close()
 
-    def _run_sample(self, model: Model, label: str, sample: tasks.Sample, done: set, progress) -> None:
+    def recorder(self, progress=None) -> Callable[[tuple], None]:
+        """Where a unit's events go: ("record", r) and ("error", where, message) to the output
+        files, ("progress", n) to the progress bar."""
+
+        def emit(event: tuple) -> None:
+            if event[0] == "record":
+                self._append(self.samples_path, event[1])
+            elif event[0] == "error":
+                self._fail(event[1], event[2])
+            elif progress:
+                progress(event[1])
+
+        return emit
+
+    def run(self, progress=None) -> None:
+        """Run every unfinished cell of this shard, here. progress(n) is called per cell done."""
+        done = self.start()
+        emit = self.recorder(progress)
+        for _, model, label, sample in self.units():
+            self.run_unit(model, label, sample, done, emit)
+
+    def todo(self, label: str, sample: tasks.Sample, done: set) -> tuple[list, bool]:
+        """A unit's cells not yet recorded, and whether its diagnostics are still wanted."""
         cfg = self.cfg
-        base = {"model": label, "task": sample.task, "sample": sample.id, "split": sample.split}
         todo = [(p, b) for p, b in self.cells if (label, sample.task, sample.id, p, b) not in done]
         diag_key = (label, sample.task, sample.id, "diagnostics", cfg.diagnostics_budget)
-        want_diag = cfg.diagnostics and bool(sample.evidence) and diag_key not in done
+        return todo, cfg.diagnostics and bool(sample.evidence) and diag_key not in done
+
+    def run_unit(
+        self, model: Model, label: str, sample: tasks.Sample, done: set, emit: Callable[[tuple], None]
+    ) -> None:
+        """One sample's unfinished cells, replayed from one prefill; what happens goes to emit."""
+        cfg = self.cfg
+        base = {"model": label, "task": sample.task, "sample": sample.id, "split": sample.split}
+        todo, want_diag = self.todo(label, sample, done)
         if not todo and not want_diag:
             return
         if sample.turns is not None:
-            self._run_conversations(model, base, sample, todo, progress)
+            self._run_conversations(model, base, sample, todo, emit)
             return
         try:
             prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
             run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=self.lookahead_cells)
         except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
-            self._fail(base, _message(e))
-            if progress:
-                progress(len(todo))
+            emit(("error", base, _message(e)))
+            emit(("progress", len(todo)))
             return
         if todo and todo[0] != ("full", None):
             todo.insert(0, ("full", None))  # the reference for fidelity, rerun after a resume
@@ -304,20 +337,20 @@ class Grid:
                     record["note"] = "budget >= prompt: nothing evicted"
                 record["time"]["cell_s"] = time.perf_counter() - t0
                 if not (rerun_full and i == 0):
-                    self._append(self.samples_path, {**where, **record, "evidence": prompt.evidence})
+                    emit(("record", {**where, **record, "evidence": prompt.evidence}))
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
-                self._fail(where, _message(e))
-            if progress and not (rerun_full and i == 0):
-                progress(1)
+                emit(("error", where, _message(e)))
+            if not (rerun_full and i == 0):
+                emit(("progress", 1))
         if want_diag:
             where = {**base, "policy": "diagnostics", "budget": cfg.diagnostics_budget}
             try:
                 diag = run.overlap(cfg.diagnostics_budget, workspace=cfg.diagnostics_workspace)
-                self._append(self.samples_path, {**where, "overlap": diag})
+                emit(("record", {**where, "overlap": diag}))
             except Exception as e:  # noqa: BLE001
-                self._fail(where, _message(e))
+                emit(("error", where, _message(e)))
 
-    def _run_conversations(self, model: Model, base: dict, sample: tasks.Sample, todo: list, progress) -> None:
+    def _run_conversations(self, model: Model, base: dict, sample: tasks.Sample, todo: list, emit) -> None:
         """Multi-turn cells: each replays the whole conversation (kvlite.eval.multiturn)."""
         for spec, budget in todo:
             where = {**base, "policy": spec, "budget": budget}
@@ -325,11 +358,10 @@ class Grid:
                 policy = policy_for(spec, budget)
                 evict = run_params(spec).get("evict", "eager") if budget is not None else "eager"
                 record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads)
-                self._append(self.samples_path, {**where, **record})
+                emit(("record", {**where, **record}))
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
-                self._fail(where, _message(e))
-            if progress:
-                progress(1)
+                emit(("error", where, _message(e)))
+            emit(("progress", 1))
 
     def count_todo(self) -> int:
         """Cells left in this shard (for the progress bar), without loading a model."""
