@@ -99,7 +99,7 @@ def cmd_eval(args) -> int:
         rpc_add_servers(args.rpc)
     out = cfg.out_dir
     failures = 0
-    nodes: dict[str, list] = {}  # --ray: cells and unit seconds per worker node
+    nodes: dict[str, list[dict]] = {}  # --ray: the records each worker node made
     if args.merge:
         for d in map(pathlib.Path, args.merge):
             if not d.is_dir():
@@ -130,14 +130,13 @@ def cmd_eval(args) -> int:
         print(json.dumps(rows))
     else:
         print(report.to_markdown(rows))
-        t = report.throughput(records)
-        if t["total_s"]:
-            share = 100 * t["overhead_share"]
-            print(f"[kvlite eval] {t['cells']} cells, {t['total_s']:.0f} s: model {t['model_s']:.0f} s, policies "
-                  f"{t['policy_s']:.0f} s, harness overhead {share:.1f}%; reading each prompt once saved "
-                  f"~{t['replay_saved_s']:.0f} s", file=sys.stderr)  # fmt: skip
-        for node, (cells, seconds) in sorted(nodes.items()):
-            print(f"[kvlite eval] ray node {node}: {cells} cells in {seconds:.0f} s of units", file=sys.stderr)
+        for where, recs in [("", records), *((f" ray node {n}:", rs) for n, rs in sorted(nodes.items()))]:
+            t = report.throughput(recs)
+            if t["total_s"]:
+                share = 100 * t["overhead_share"]
+                print(f"[kvlite eval]{where} {t['cells']} cells, {t['total_s']:.0f} s: model {t['model_s']:.0f} s, "
+                      f"policies {t['policy_s']:.0f} s, harness overhead {share:.1f}%; reading each prompt once "
+                      f"saved ~{t['replay_saved_s']:.0f} s", file=sys.stderr)  # fmt: skip
     if failures:
         print(f"kvlite eval: {failures} cell(s) or line(s) failed (see {out}/errors*.jsonl); the rest is in {out}",
               file=sys.stderr)  # fmt: skip

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import pathlib
 import socket
-import time
 
 from ..engine import Model
 from ..errors import KvliteError
@@ -23,15 +22,14 @@ from .grid import Grid, GridConfig
 _MODELS: dict[tuple[str, int | None], Model] = {}  # per worker process: loaded once, reused by its units
 
 
-def _unit(cfg: GridConfig, path: str, label: str, sample: tasks.Sample, done: set) -> tuple[list, str, float]:
-    """On a worker: the unit's events (Grid.recorder's), the node it ran on and its seconds."""
+def _unit(cfg: GridConfig, path: str, label: str, sample: tasks.Sample, done: set) -> tuple[list, str]:
+    """On a worker: the unit's events (Grid.recorder's) and the node it ran on."""
     key = (path, cfg.n_gpu_layers)
     if key not in _MODELS:
         _MODELS[key] = Model(pathlib.Path(path), n_gpu_layers=cfg.n_gpu_layers)
     events: list = []
-    t0 = time.perf_counter()
     Grid(cfg, log=lambda msg: None).run_unit(_MODELS[key], label, sample, done, events.append)
-    return events, socket.gethostname(), time.perf_counter() - t0
+    return events, socket.gethostname()
 
 
 def _ray():
@@ -42,8 +40,8 @@ def _ray():
     return ray
 
 
-def run(grid: Grid, progress=None) -> dict[str, list]:
-    """Run the grid's unfinished units on Ray; returns per node [cells, seconds]."""
+def run(grid: Grid, progress=None) -> dict[str, list[dict]]:
+    """Run the grid's unfinished units on Ray; returns the records each node made."""
     ray = _ray()
     cfg = grid.cfg
     local = cfg.ray == "local"
@@ -58,7 +56,7 @@ def run(grid: Grid, progress=None) -> dict[str, list]:
         ray.shutdown()
 
 
-def _drive(ray, grid: Grid, progress) -> dict[str, list]:
+def _drive(ray, grid: Grid, progress) -> dict[str, list[dict]]:
     cfg = grid.cfg
     threads = cfg.threads or 1  # a task's CPUs are its llama.cpp threads: no node is oversubscribed
     # the worker gets the samples themselves: no data file needs to exist on its node
@@ -72,12 +70,12 @@ def _drive(ray, grid: Grid, progress) -> dict[str, list]:
         if todo or diag:
             mine = {k for k in done if k[:3] == (label, sample.task, sample.id)}
             pending[unit.remote(worker_cfg, str(path), label, sample, mine)] = (label, sample, len(todo))
-    nodes: dict[str, list] = {}
+    nodes: dict[str, list[dict]] = {}
     while pending:
         (ref,), _ = ray.wait(list(pending), num_returns=1)
         label, sample, n_cells = pending.pop(ref)
         try:
-            events, node, seconds = ray.get(ref)
+            events, node = ray.get(ref)
         except ray.exceptions.RayError as e:  # its worker died more often than ray_retries
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             emit(("error", {"model": label, "task": sample.task, "sample": sample.id}, f"ray: {reason}"))
@@ -85,7 +83,5 @@ def _drive(ray, grid: Grid, progress) -> dict[str, list]:
             continue
         for event in events:
             emit(event)
-        cells = nodes.setdefault(node, [0, 0.0])
-        cells[0] += sum(e[1] for e in events if e[0] == "progress")
-        cells[1] += seconds
+        nodes.setdefault(node, []).extend(e[1] for e in events if e[0] == "record")
     return nodes
