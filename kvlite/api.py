@@ -85,11 +85,9 @@ class Session:
         try:
             with progress_bar(len(tokens) if progress else 0, "prefill", min_total=max(1, 2 * runner.chunk)) as bar:
                 complete = runner.feed(tokens, progress=bar, interrupted=interrupted)
-            out, stopped = (
-                runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
-                if complete
-                else ([], "interrupted")
-            )
+            out, stopped = [], "interrupted"
+            if complete:
+                out, stopped = runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
             return Generation(
                 text=self.model.detokenize(out),
                 prompt_tokens=len(tokens),
