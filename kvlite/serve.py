@@ -410,7 +410,10 @@ class Server:
              cancelled: Callable[[], bool]) -> Result:  # fmt: skip
         if self.model.chat_template is None:
             raise ApiError(400, f"{self.model.path.name} has no chat template: use /v1/completions")
-        slot, new = self.pick_slot(messages, req)
+        try:
+            slot, new = self.pick_slot(messages, req)  # a policy the chat modes cannot run is refused here
+        except KvliteError as e:
+            raise ApiError(400, str(e)) from None
         conv = slot.conversation
         runner, cache = conv.runner, conv.runner.cache
         runner.use_sampling(req.sampling)
@@ -448,10 +451,9 @@ class Server:
         whatever prompt arrives."""
         n_ctx = self.cfg.settings.n_ctx or (0 if req.policy.continuous else CHAT_CTX)
         settings = dataclasses.replace(self.cfg.settings, sampling=req.sampling, n_ctx=n_ctx)
-        session = Session(self.model, req.policy, settings)
         stops = StopFilter(req.stop)
         try:
-            g = session.generate(prompt, req.n_predict, on_text=stops.around(on_text),
+            g = Session(self.model, req.policy, settings).generate(prompt, req.n_predict, on_text=stops.around(on_text),
                                  interrupted=lambda: cancelled() or stops.hit)  # fmt: skip
         except KvliteError as e:
             raise ApiError(400, str(e)) from None

@@ -326,6 +326,18 @@ def test_a_slot_saved_to_a_file_is_continued_by_another_server(smol_model, tmp_p
         second.stop()
 
 
+def test_a_policy_the_chat_mode_cannot_run_is_a_400(smol_model):
+    live = Live(Server(ServeConfig(evict="lazy"), model=smol_model))
+    try:
+        r = live.post("/v1/chat/completions", {"messages": FRANCE, "kv_policy": "full"}, headers={})
+        assert r.status_code == 400 and "lazy" in r.json()["error"]["message"]
+        ok = live.post("/v1/chat/completions", {"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 64,
+                                                 "max_tokens": 4}, headers={})  # fmt: skip
+        assert ok.status_code == 200 and ok.json()["kvlite"]["evict"] == "lazy"
+    finally:
+        live.stop()
+
+
 def test_full_queue_answers_503_with_retry_after(smol_model):
     live = Live(Server(ServeConfig(slots=1, queue=0, n_predict=48), model=smol_model))
     try:
