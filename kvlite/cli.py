@@ -314,12 +314,27 @@ def cmd_serve(args) -> int:
     return serve(cfg)
 
 
+def _return_freed_memory() -> None:
+    """glibc serves a large block from the heap once a block that size was freed (its mmap
+    threshold grows), and a freed heap block stays in RSS: an eviction's per-layer buffers then
+    lift the peak for good (kvzip at 4K: 532 MB -> 500, and 290 -> 202 after it). A fixed
+    threshold maps every block of 128 KiB or more on its own and unmaps it when freed. Set by the
+    command line only: the Python API leaves the host process's allocator alone."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; setting it also fixes it
+
+
 def main(argv: list[str] | None = None) -> int:
     """The console script. Everything heavy (numpy, llama.cpp) is imported in here, so a Ctrl-C
     at any moment, imports included, ends with one line and exit status 130."""
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
+    _return_freed_memory()
     try:
         return _main(argv)
     except KeyboardInterrupt:
