@@ -6,7 +6,7 @@ of full. The ratio is the number to read; absolute MB depend on the build and th
 CUDA machine (nvidia-smi present) each run's peak device memory is printed beside it.
 Memory does not depend on what else runs, so this can share the CPU (its seconds cannot).
 
-usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--json]
+usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--json] [kvlite flags]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--policies", default=POLICIES, help="comma-separated; full is always run first")
     ap.add_argument("-n", "--n-predict", type=int, default=16)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args, flags = ap.parse_known_args()  # other flags go to every evicting run: --repeat-chunk 128
     model = Model(default_model_path())
     names = ["full", *(p for p in args.policies.split(",") if p and p != "full")]
     rows = []
@@ -104,7 +104,7 @@ def main() -> None:
         pathlib.Path(prompt).write_text(model.detokenize(prose_tokens(model, args.tokens)))
         del model
         for name in names:
-            budget = [] if name == "full" else ["--budget", str(args.budget)]
+            budget = [] if name == "full" else ["--budget", str(args.budget), *flags]
             r = generate_peak(prompt, "--policy", name, *budget, "-n", str(args.n_predict))
             rows.append(dict(policy=name, peak_rss_mb=r["peak_rss_mb"], peak_device_mb=r["peak_device_mb"],
                              prompt_tokens=r["prompt_tokens"],
