@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -105,3 +107,13 @@ def test_cli_eval_on_ray(tiny_paths, tmp_path):
     assert "Traceback" not in proc.stderr
     assert "ray node" in proc.stderr and "4 cells" in proc.stderr.split("ray node")[1]
     assert (out / "summary.md").exists() and lines(out) == 4
+
+
+def test_without_ray_the_flag_says_how_to_install_it(tiny_paths, tmp_path):
+    """As on a machine without the extra: `import ray` fails (sys.modules entry None)."""
+    args = ["eval", "-m", tiny_paths["llama"], "--tasks", "single", "--lengths", "300", "-n", "1",
+            "--policies", "full", "--out", str(tmp_path / "out"), "--ray"]  # fmt: skip
+    code = f"import sys; sys.modules['ray'] = None; from kvlite.cli import main; sys.exit(main({args!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "pip install 'kvlite[ray]'" in proc.stderr.strip().splitlines()[-1]
