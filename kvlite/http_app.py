@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import socket
 import threading
@@ -62,7 +63,8 @@ def create_app(server: Server, load: bool = True):
         try:
             if server.cfg.api_key is not None and request.url.path != "/health":
                 auth = request.headers.get("authorization", "")
-                if not auth.startswith("Bearer ") or auth[7:].strip() != server.cfg.api_key:
+                given = auth[7:].strip().encode() if auth.startswith("Bearer ") else b""
+                if not hmac.compare_digest(given, server.cfg.api_key.encode()):  # in constant time
                     raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                    kind="authentication_error")  # fmt: skip
             length = request.headers.get("content-length")
