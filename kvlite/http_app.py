@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -138,7 +139,7 @@ def create_app(server: Server, load: bool = True):
         rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if not req.stream:
-            r = await server.run(ticket, lambda: work(None, lambda: False))
+            r = await server.run(ticket, lambda: work(None, lambda: server.stopping))
             server.metrics.add(r)
             return _response(kind, rid, created, server.model_id, r)
         loop = asyncio.get_running_loop()
@@ -155,7 +156,8 @@ def create_app(server: Server, load: bool = True):
 
         async def produce():
             try:
-                r = await server.run(ticket, lambda: None if cancel.is_set() else work(on_text, cancel.is_set))
+                stop = lambda: cancel.is_set() or server.stopping  # noqa: E731
+                r = await server.run(ticket, lambda: None if stop() else work(on_text, stop))
                 if r is not None:  # None: the client left before it started
                     server.metrics.add(r)
                     put(("done", r))
@@ -321,14 +323,26 @@ def _prometheus(server: Server) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve(cfg: ServeConfig) -> int:
-    """Serve until SIGINT or SIGTERM (uvicorn's own handling: in-flight requests finish)."""
-    import uvicorn
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with the Server told of a shutdown as the signal arrives: the reply being made
+    ends at its next token rather than running out its max_tokens while uvicorn waits."""
 
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.kvlite = server
+
+    def handle_exit(self, sig, frame) -> None:
+        self.kvlite.stopping = True
+        super().handle_exit(sig, frame)
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Serve until SIGINT or SIGTERM (uvicorn's graceful shutdown; exit status 0)."""
     server = Server(cfg)
     app = create_app(server)
-    uv = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="on",
-                                       limit_concurrency=cfg.queue + 64, timeout_graceful_shutdown=10))  # fmt: skip
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="on",
+                            limit_concurrency=cfg.queue + 64, timeout_graceful_shutdown=10)  # fmt: skip
+    uv = _Uvicorn(config, server)
     failed = []
 
     def watch_load() -> None:  # a model that cannot load ends the server, as llama-server does

@@ -311,6 +311,7 @@ class Server:
         self.slots = [Slot(i) for i in range(cfg.slots)]
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlite-model")
         self.active = 0  # requests admitted and not finished: one running, the rest waiting
+        self.stopping = False  # set by close(): every job's `cancelled` turns True
         self._lock = threading.Lock()
         self.metrics = Metrics()
         self.started = time.time()
@@ -584,6 +585,9 @@ class Server:
         return {"id_slot": slot_id, "n_erased": n}
 
     def close(self) -> None:
+        """Stop: the running generation ends at its next token (a shutdown does not wait out a
+        long reply), the queued ones never start, the slots' contexts are freed."""
+        self.stopping = True
         self.worker.shutdown(wait=True, cancel_futures=True)
         for s in self.slots:
             if s.conversation is not None:

@@ -391,6 +391,40 @@ def test_cli_serves_until_sigint():
     assert f"127.0.0.1:{port}" in out
 
 
+def test_ctrl_c_during_a_long_reply_stops_it_and_exits():
+    """SIGINT while a non-streaming request generates 2000 tokens: the reply ends at its next token,
+    the client gets it, and the server exits 0 within seconds (not after the 2000 tokens)."""
+    port = free_port()
+    proc = subprocess.Popen([KVLITE, "serve", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+                "max_tokens": 2000, "temperature": 1.0}  # fmt: skip
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, url + "/v1/chat/completions", json=body, timeout=120)
+            time.sleep(2)
+            t0 = time.time()
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+            stopped_in = time.time() - t0
+            r = reply.result()
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert stopped_in < 15
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] < 2000
+
+
 @pytest.mark.parametrize(
     "args,words",
     [
