@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
-    _return_freed_memory()
     try:
+        _return_freed_memory()
         return _main(argv)
     except KeyboardInterrupt:
         print("\nkvlite: interrupted", file=sys.stderr)
