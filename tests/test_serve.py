@@ -366,20 +366,27 @@ def test_health_is_503_while_loading(smol_path):
         live.stop()
 
 
-def test_cli_serves_until_sigint():
+def serving(*flags: str) -> tuple[subprocess.Popen, int]:
+    """`kvlite serve --port P FLAGS` in a subprocess, once /health says ok."""
     port = free_port()
-    proc = subprocess.Popen([KVLITE, "serve", "--port", str(port), "--policy", "snapkv", "--budget", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen([KVLITE, "serve", "--port", str(port), *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"kvlite serve did not come up: {proc.communicate()[1]}")
+        time.sleep(0.1)
+
+
+def test_cli_serves_until_sigint():
+    proc, port = serving("--policy", "snapkv", "--budget", "64")
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
-            time.sleep(0.1)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 4},
                        timeout=120).json()  # fmt: skip
         assert r["kvlite"]["policy"].startswith("SnapKV(budget=64")
@@ -394,20 +401,9 @@ def test_cli_serves_until_sigint():
 def test_ctrl_c_during_a_long_reply_stops_it_and_exits():
     """SIGINT while a non-streaming request generates 2000 tokens: the reply ends at its next token,
     the client gets it, and the server exits 0 within seconds (not after the 2000 tokens)."""
-    port = free_port()
-    proc = subprocess.Popen([KVLITE, "serve", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    proc, port = serving()
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and proc.poll() is None
-            time.sleep(0.1)
         body = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
                 "max_tokens": 2000, "temperature": 1.0}  # fmt: skip
         with ThreadPoolExecutor(1) as pool:
