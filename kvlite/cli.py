@@ -164,10 +164,14 @@ def _load_model(args):
 
     _add_rpc(args.rpc)
     model = Model(resolve_model(args.model), use_extra_bufts=args.extra_bufts, n_gpu_layers=args.n_gpu_layers)
-    if args.n_gpu_layers and not model.n_gpu_layers:
+    _note_ngl(args.n_gpu_layers, model.n_gpu_layers)
+    return model
+
+
+def _note_ngl(asked: int | None, offloaded: int) -> None:
+    if asked and not offloaded:
         print("kvlite: note: ggml sees no GPU (a CPU build, no --rpc): no layer is offloaded, -ngl is ignored",
               file=sys.stderr)  # fmt: skip
-    return model
 
 
 def cmd_info(args) -> int:
@@ -297,12 +301,14 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise KvliteError(f"kvlite serve needs the serve extra ({e.name} is missing): pip install 'kvlite[serve]' "
                           "or bash scripts/setup.sh --serve") from None  # fmt: skip
+    from .engine.model import offloaded_layers
     from .http_app import serve
     from .serve import ServeConfig
 
     policy, settings = _policy_from_args(args), _settings_from_args(args)  # checked before the port is taken
     _note_ctx(settings.n_ctx)
     _add_rpc(args.rpc)
+    _note_ngl(args.n_gpu_layers, offloaded_layers(args.n_gpu_layers, 1))  # the model itself loads once serving
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"kvlite: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
               file=sys.stderr)  # fmt: skip
