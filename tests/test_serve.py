@@ -322,6 +322,10 @@ def test_a_slot_saved_to_a_file_is_continued_by_another_server(smol_model, tmp_p
         assert r["kvlite"]["reused_tokens"] == saved["n_saved"] and r["kvlite"]["prefilled_tokens"] < 40
         assert "54554" in r["choices"][0]["message"]["content"], r
         assert consistent(second.server.slots[0].conversation)
+        erased = second.post("/slots/0?action=erase", {}, headers={}).json()
+        assert erased["n_erased"] == r["usage"]["total_tokens"]
+        assert httpx.get(second.url + "/slots").json()[0]["messages"] == 0
+        assert consistent(second.server.slots[0].conversation)
     finally:
         second.stop()
 
