@@ -20,9 +20,11 @@ import openai
 import pytest
 import uvicorn
 from conftest import KVLITE
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlite.http_app import create_app
-from kvlite.serve import ServeConfig, Server, StopFilter, parse_policy
+from kvlite.serve import ApiError, ServeConfig, Server, StopFilter, parse_messages, parse_policy, parse_request
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test"
@@ -450,3 +452,26 @@ def test_cli_port_in_use_is_an_error():
         proc = subprocess.run([KVLITE, "serve", "--port", str(port)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"127.0.0.1:{port}" in proc.stderr
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+          "stream", "conversation_id", "kv_policy", "kv_budget", "sinks", "window", "lookahead", "mode",
+          "repeat_chunk", "kv_x", "budget"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), st.sampled_from(["full", "snapkv", "echokv"]))
+def test_any_request_body_is_accepted_or_a_400(body, policy):
+    """Whatever JSON a client sends in the request's fields, validation either accepts it or
+    answers a 400: never another exception (which the server would turn into a 500)."""
+    cfg = ServeConfig(policy=policy, params={"budget": None if policy == "full" else 64})
+    for parse in (lambda: parse_messages(body), lambda: parse_request(body, cfg, cfg.settings.sampling)):
+        try:
+            parse()
+        except ApiError as e:
+            assert e.status == 400 and e.message
