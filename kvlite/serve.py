@@ -454,7 +454,8 @@ class Server:
         settings = dataclasses.replace(self.cfg.settings, sampling=req.sampling, n_ctx=n_ctx)
         stops = StopFilter(req.stop)
         try:
-            g = Session(self.model, req.policy, settings).generate(prompt, req.n_predict, on_text=stops.around(on_text),
+            session = Session(self.model, req.policy, settings)
+            g = session.generate(prompt, req.n_predict, on_text=stops.around(on_text),
                                  interrupted=lambda: cancelled() or stops.hit)  # fmt: skip
         except KvliteError as e:
             raise ApiError(400, str(e)) from None
