@@ -109,7 +109,9 @@ def prefill_cache(model: Model, n: int) -> tuple[KVCache, float]:
 
 def tail(c: CacheContents, n: int) -> CacheContents:
     h = None if c.hidden is None else c.hidden[-n:]
-    return CacheContents(c.tokens[-n:], c.positions[-n:], c.k[:, -n:], c.v[:, -n:], h)
+    # cache_contents reads K/V a layer at a time (LayerRows): stacked here, for the bench's tails only
+    k, v = np.asarray(c.k)[:, -n:], np.asarray(c.v)[:, -n:]
+    return CacheContents(c.tokens[-n:], c.positions[-n:], k, v, h)
 
 
 def bench_counter_causal(model: Model, cache: KVCache, repeat: int) -> list[dict]:
