@@ -40,8 +40,6 @@ class LayerRows:
 
     def __init__(self, read, layers: range):
         self.read, self.layers = read, layers
-        first = read(layers[0]) if len(layers) else np.empty((0, 0), np.float16)
-        self.shape, self.dtype = (len(layers), *first.shape), first.dtype
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -50,7 +48,8 @@ class LayerRows:
         return self.read(self.layers[i])
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        return np.stack([self[i] for i in range(len(self))]).astype(dtype or self.dtype, copy=False)
+        rows = np.stack([self[i] for i in range(len(self))])
+        return rows if dtype is None else rows.astype(dtype, copy=False)
 
 
 class SurpriseModel:
@@ -104,8 +103,8 @@ class SurpriseModel:
         if n <= min_gap + 1:
             return np.full(n, np.nan, np.float32)  # no cell has anything after it to be predicted from
         for name, a in (("k", contents.k), ("v", contents.v)):
-            if a.shape != (n_used, n, n_kv):
-                raise KvliteError(f"counter-causal {variant}: {name} has shape {a.shape}, want {(n_used, n, n_kv)}")
+            if len(a) != n_used:  # each layer's shape is checked as it is read
+                raise KvliteError(f"counter-causal {variant}: {name} has the shape of {len(a)} layers, want {n_used}")
         hidden = None
         if blind:
             if first > 0:
@@ -114,17 +113,20 @@ class SurpriseModel:
         elif first > 0:
             if contents.hidden is None or contents.hidden.shape != (n, info.n_embd):
                 raise KvliteError(f"counter-causal fast needs the hidden states [{n}, {info.n_embd}] of every cell")
-            hidden = contents.hidden
+            hidden = np.ascontiguousarray(contents.hidden[::-1], dtype=np.float32)  # a copy: updated in place
         # The native pass takes cells in descending position order: "only later positions" is then
         # ggml's ordinary causal mask. One layer at a time: the hidden rows [n, n_embd] are the
         # only state carried between layers, and one layer's K/V is read at a time.
         nat, tokens = self._native, contents.tokens[::-1]
         if hidden is None:
             hidden = nat.cc_embed(self.ptr, tokens, info.n_embd)
-        elif hidden is contents.hidden:  # a reversed copy: the pass updates it in place
-            hidden = np.ascontiguousarray(hidden[::-1], dtype=np.float32)
         for i, il in enumerate(range(first, info.n_layer)):
-            nat.cc_layer(self.ptr, il, min_gap, block_rows, pos[::-1], contents.k[i][::-1], contents.v[i][::-1], hidden)
+            k, v = contents.k[i], contents.v[i]
+            for name, a in (("k", k), ("v", v)):
+                if a.shape != (n, n_kv):
+                    raise KvliteError(f"counter-causal {variant}: {name} of layer {il} has shape {a.shape}, "
+                                      f"want {(n, n_kv)}")  # fmt: skip
+            nat.cc_layer(self.ptr, il, min_gap, block_rows, pos[::-1], k[::-1], v[::-1], hidden)
         out = nat.cc_output(self.ptr, score == "logprob", block_rows, tokens, hidden)[::-1].copy()
         out[n - 1 - min_gap :] = np.nan
         return out
