@@ -278,6 +278,7 @@ def _slot_state(s: Slot) -> dict:
         "id": s.id,
         "conversation_id": s.conversation_id,
         "policy": repr(conv.runner.policy) if conv else None,
+        "budget": conv.runner.policy.budget if conv else None,
         "messages": len(s.messages),
         "n_pos": cache.n_pos if cache else 0,
         "resident_cells": cache.n_resident if cache else 0,
@@ -306,15 +307,14 @@ def _prometheus(server: Server) -> str:
             ("decode_tokens_per_second", "gauge", "Decode throughput over all requests.",
              [("", m.completion_tokens / m.decode_s if m.decode_s else 0)]),
         ]  # fmt: skip
-    slots = [(f'{{slot="{s.id}"}}', s) for s in server.slots]
-    policy = lambda s: s.conversation.runner.policy if s.conversation else None  # noqa: E731
+    slots = [(f'{{slot="{s.id}"}}', _slot_state(s)) for s in server.slots]
     rows += [
         ("slot_resident_cells", "gauge", "KV cells resident in a slot's cache.",
-         [(label, _slot_state(s)["resident_cells"]) for label, s in slots]),
+         [(label, st["resident_cells"]) for label, st in slots]),
         ("slot_budget_cells", "gauge", "A slot's KV budget (0: none).",
-         [(label, (policy(s).budget if policy(s) else 0) or 0) for label, s in slots]),
+         [(label, st["budget"] or 0) for label, st in slots]),
         ("slot_evicted_cells_total", "counter", "KV cells a slot's conversation has evicted.",
-         [(label, _slot_state(s)["evicted_cells"]) for label, s in slots]),
+         [(label, st["evicted_cells"]) for label, st in slots]),
     ]  # fmt: skip
     lines = []
     for name, kind, doc, samples in rows:

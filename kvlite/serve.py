@@ -435,12 +435,13 @@ class Server:
         if stops.hit:
             stopped = "stop"
             conv.messages[-1]["content"] = text  # as the client will send it back
-        prompt_tokens = cache.n_pos - _generated(runner, before)  # every reply token is decoded into the cache
+        generated = runner.timings.decode_tokens - before["decode_tokens"]
+        prompt_tokens = cache.n_pos - generated  # every reply token is decoded into the cache
         return Result(
             text=text,
             finish_reason=_finish(stopped),
             prompt_tokens=prompt_tokens,
-            completion_tokens=_generated(runner, before),
+            completion_tokens=generated,
             kvlite={**self._report(slot, runner, before, prompt_tokens), "peak_cells": peak},
         )
 
@@ -611,10 +612,6 @@ def _counters(runner) -> dict:
     return dict(prefill_s=t.prefill_s, decode_s=t.decode_s, evict_s=t.evict_s, prefill_tokens=t.prefill_tokens,
                 decode_tokens=t.decode_tokens, evicted=runner.cache.evicted,
                 workspace_forward_passes=runner.workspace_forward_passes)  # fmt: skip
-
-
-def _generated(runner, before: dict) -> int:
-    return runner.timings.decode_tokens - before["decode_tokens"]
 
 
 def _cut(text: str, stops: list[str]) -> str:

@@ -48,7 +48,8 @@ def generate_peak(prompt_file: str, *flags: str) -> dict:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
         peak_kb, device = 0, [0.0]
-        if shutil.which("nvidia-smi"):  # a CUDA machine: the device's peak too (nvidia-smi is slow: its own thread)
+        cuda = shutil.which("nvidia-smi") is not None
+        if cuda:  # a CUDA machine: the device's peak too (nvidia-smi is slow: its own thread)
             threading.Thread(target=_poll_device, args=(proc, device), daemon=True).start()
         while proc.poll() is None:
             peak_kb = max(peak_kb, _vm_hwm_kb(proc.pid))
@@ -59,7 +60,7 @@ def generate_peak(prompt_file: str, *flags: str) -> dict:
         out.seek(0)
         result = json.loads(out.read())
     result["peak_rss_mb"] = peak_kb / 1024
-    result["peak_device_mb"] = device[0] if shutil.which("nvidia-smi") else None
+    result["peak_device_mb"] = device[0] if cuda else None
     return result
 
 
