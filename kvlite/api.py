@@ -22,6 +22,10 @@ from .runner import Generation, Runner, RunSettings, plan_context
 
 CHAT_CTX = 4096  # a conversation's length is unknown: the context of one not evicted continuously
 EVICT_MODES = ("eager", "lazy")
+# kvlite chat's (and serve's) mode where none is asked for, chosen on the tune split by
+# scripts/pick_chat_default.py (results-runs/chat-tune-smol-1024/pick.json: lazy - eager
+# +0.24 [0.16, 0.31] over every chat policy and budget; docs/policies.md).
+DEFAULT_EVICT = "lazy"
 # A message asks something when it has a question mark near its end or opens with one of these
 # (a pasted document with a "?" in its middle does not). Used by the hybrid policy.
 _ASKING = ("what", "who", "whom", "whose", "when", "where", "which", "why", "how", "is", "are", "does", "do", "did",
@@ -99,19 +103,15 @@ class Session:
         finally:
             runner.close()
 
-    def conversation(self, system: str | None = None, evict: str = "eager") -> Conversation:
+    def conversation(self, system: str | None = None, evict: str | None = None) -> Conversation:
         """A new conversation on its own context: 4096 cells unless the policy evicts continuously
         (then budget + chunk) or n_ctx says otherwise. The context is the cache's cap.
         evict: "eager" evicts to the budget after every turn is read; "lazy" keeps whole turns
-        until the next one would not fit under the cap, then reads it and evicts with its queries."""
+        until the next one would not fit under the cap, then reads it and evicts with its queries;
+        None: evict_mode's default."""
         if self.model.chat_template is None:
             raise KvliteError(f"{self.model.path.name} has no chat template: use `kvlite generate`")
-        if evict not in EVICT_MODES:
-            raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{evict}'")
-        if evict == "lazy" and (self.policy.budget is None or self.policy.continuous):
-            raise KvliteError(
-                "--evict lazy needs a prefill-end policy with a --budget (chunked mode evicts as it reads)"
-            )
+        evict = evict_mode(evict, self.policy)
         n_ctx = self.settings.n_ctx or (0 if self.policy.continuous else CHAT_CTX)
         return Conversation(self._runner(n_ctx, 0, 0), system=system, evict=evict)
 
@@ -126,6 +126,20 @@ class Session:
         """Forget the conversation."""
         if self._conversation is not None:
             self._conversation.reset()
+
+
+def evict_mode(evict: str | None, policy: Policy) -> str:
+    """The chat eviction mode a conversation runs: the one asked for, or else DEFAULT_EVICT where
+    it applies (a prefill-end policy with a budget) and eager where it does not (the full cache
+    never evicts; chunked mode evicts as it reads)."""
+    lazy_applies = policy.budget is not None and not policy.continuous
+    if evict is None:
+        return DEFAULT_EVICT if lazy_applies else "eager"
+    if evict not in EVICT_MODES:
+        raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{evict}'")
+    if evict == "lazy" and not lazy_applies:
+        raise KvliteError("--evict lazy needs a prefill-end policy with a --budget (chunked mode evicts as it reads)")
+    return evict
 
 
 class Conversation:
@@ -152,18 +166,11 @@ class Conversation:
         and generate the reply. Returns (reply, why it stopped)."""
         model = self.runner.model
         new = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
-        if not new or new[-1].get("role") != "user":
-            raise KvliteError("the last message of a turn must be the user's")
-        messages = [*self.messages, *new]
-        # The template re-renders the whole conversation; the cache already holds its prefix (as
-        # text: the reply's tokens as generated need not be how the text would tokenize).
-        pieces = model.chat_segments(messages, add_assistant=True)
-        full = "".join(t for t, _ in pieces)
+        messages, full, tokens = self._render(new)
         runner, cache = self.runner, self.runner.cache
-        if not full.startswith(self.rendered):  # the template re-rendered what the cache holds: read it all again
-            cache.reset()
+        if not full.startswith(self.rendered):
+            cache.reset()  # the template re-rendered what the cache holds: it is all read again
             self.rendered = ""
-        tokens = model.tokenize_pieces(drop_prefix(pieces, len(self.rendered)), add_special=not self.rendered)
         question = asks_something(new[-1]["content"])
         evict = self._make_room(len(tokens), n_predict)
         start, evicted = cache.n_pos, cache.evicted
@@ -178,10 +185,30 @@ class Conversation:
             return "", "interrupted"
         self.last = self._describe(cache.evicted - evicted)
         out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
-        reply = model.detokenize(out)
+        # llama.cpp's template engine reads C strings: a NUL (a tiny or broken model can write one)
+        # would end the reply there when the next turn renders it, and the cache would be read again.
+        reply = model.detokenize(out).replace("\x00", "")
         self.messages = [*messages, {"role": "assistant", "content": reply}]
         self.rendered = full + reply
         return reply, stopped
+
+    def pending_tokens(self, user: str | Sequence[dict]) -> int:
+        """How many tokens a turn with this message would read into the cache."""
+        new = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
+        return len(self._render(new)[2])
+
+    def _render(self, new: list[dict]) -> tuple[list[dict], str, list[int]]:
+        """The conversation with `new` appended, its rendered text, and the tokens the cache lacks.
+        The template re-renders the whole conversation; the cache already holds its prefix (as text:
+        the reply's tokens as generated need not be how the text would tokenize)."""
+        if not new or new[-1].get("role") != "user":
+            raise KvliteError("the last message of a turn must be the user's")
+        model = self.runner.model
+        messages = [*self.messages, *new]
+        pieces = model.chat_segments(messages, add_assistant=True)
+        full = "".join(t for t, _ in pieces)
+        held = self.rendered if full.startswith(self.rendered) else ""
+        return messages, full, model.tokenize_pieces(drop_prefix(pieces, len(held)), add_special=not held)
 
     def _make_room(self, n_new: int, n_predict: int) -> bool:
         """Whether this turn evicts once it is read. Eager: always (the policy's budget decides).

@@ -32,7 +32,7 @@ def sigint_flag() -> Iterator[list[bool]]:
 
 
 def run_chat(
-    model, policy: Policy, settings: RunSettings, n_predict: int, system: str | None = None, evict: str = "eager"
+    model, policy: Policy, settings: RunSettings, n_predict: int, system: str | None = None, evict: str | None = None
 ) -> int:
     """The REPL on a loaded model; stdin lines are user turns."""
     session = Session(model, policy, settings)

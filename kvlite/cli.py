@@ -104,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(n_predict=256)
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--evict", default="eager", choices=["eager", "lazy"],
-                   help="eager: evict to --budget after every turn is read; lazy: keep whole turns until the next "
-                   "would pass the cache cap (-c, default 4096), then evict with that turn's queries")  # fmt: skip
+    p.add_argument("--evict", default=None, choices=["eager", "lazy"],
+                   help="lazy (default with --budget): keep whole turns until the next would pass the cache cap "
+                   "(-c, default 4096), then evict with that turn's queries; eager: evict to --budget after every "
+                   "turn is read")  # fmt: skip
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
     _add_run_args(p)
@@ -116,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=4, help="conversations whose compressed cache is kept (LRU)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait; more get a 503 with Retry-After")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
-    p.add_argument("--evict", default="eager", choices=["eager", "lazy"], help="chat eviction mode (as kvlite chat)")
+    p.add_argument("--evict", default=None, choices=["eager", "lazy"],
+                   help="chat eviction mode (as kvlite chat: lazy with a --budget by default)")  # fmt: skip
     p.add_argument("-a", "--alias", default=None, help="the model's id in /v1/models and responses")
     p.add_argument("--max-tokens", type=int, default=4096, help="the most max_tokens a request may ask for")
     p.add_argument("--slot-save-path", default=None, metavar="DIR",

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .api import CHAT_CTX, EVICT_MODES, Conversation, Session
+from .api import CHAT_CTX, EVICT_MODES, Conversation, Session, evict_mode
 from .cache import Snapshot
 from .engine import Model, SamplingParams
 from .errors import KvliteError
@@ -51,7 +51,7 @@ class ServeConfig:
     policy: str = "full"
     params: dict = dataclasses.field(default_factory=dict)
     settings: RunSettings = dataclasses.field(default_factory=RunSettings)
-    evict: str = "eager"
+    evict: str | None = None  # None: per conversation, kvlite.api.evict_mode's default
     n_predict: int = 256  # max_tokens when a request gives none
     max_tokens: int = 4096  # the most a request may ask for
     slots: int = 4
@@ -70,7 +70,7 @@ class ServeConfig:
             raise KvliteError(f"--queue must be 0 or more, got {self.queue}")
         if not 0 < self.port < 65536:
             raise KvliteError(f"--port must be in 1..65535, got {self.port}")
-        if self.evict not in EVICT_MODES:
+        if self.evict is not None and self.evict not in EVICT_MODES:
             raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{self.evict}'")
         if self.slot_save_path is not None and not pathlib.Path(self.slot_save_path).is_dir():
             raise KvliteError(f"--slot-save-path {self.slot_save_path} is not a directory")
@@ -374,7 +374,7 @@ class Server:
     def pick_slot(self, messages: list[dict], req: Ask) -> tuple[Slot, list[dict]]:
         """The slot whose conversation the messages extend (longest match), else the free or
         least recently used one, reset. Returns it and the messages it has not read."""
-        key = _key(req.policy, self.cfg.evict)
+        key = _key(req.policy, evict_mode(self.cfg.evict, req.policy))
         if req.conversation_id is not None:
             slot = next((s for s in self.slots if s.conversation_id == req.conversation_id), None)
             candidates = [slot] if slot else []
@@ -487,7 +487,7 @@ class Server:
             "slot": slot.id,
             "conversation_id": slot.conversation_id,
             "policy": repr(runner.policy),
-            "evict": self.cfg.evict,
+            "evict": slot.conversation.evict,
             "budget": runner.policy.budget,
             "cap": slot.conversation.cap,
             "kept_cells": cache.n_resident,

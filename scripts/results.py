@@ -274,8 +274,8 @@ def chat_table(records: list[dict]) -> str:
     by: dict = defaultdict(lambda: defaultdict(list))
     for r in records:
         if "score" in r:
-            split = r["task"].split(":")[0] if ":" in r["task"] else "tune"
-            by[(r["model"], split)][(r["policy"].split("(")[0], r["budget"], r.get("evict", "eager"))].append(r)
+            cell = (r["policy"].split("(")[0], r["budget"], r.get("evict", "eager"))
+            by[(r["model"], r.get("split", "tune"))][cell].append(r)
     cols = [(b, m) for b in BUDGETS for m in ("eager", "lazy")]
     out = []
     for (model, split), cells in sorted(by.items()):
@@ -369,7 +369,10 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "\n## Multi-turn: a document turn, then questions turn by turn (issue 11)\n",
         "Score over the question turns, pooled over `chat` and `chat-hop`; in parentheses the most cells any "
         "turn held. eager: evict to the budget after every turn; lazy: keep whole turns until the next would "
-        "not fit under the cap (the document plus 256 cells), then evict with that turn's queries.\n",
+        "not fit under the cap, then evict with that turn's queries. The grid sets lazy's cap to the document as "
+        "read plus the first question but not its reply (`kvlite.eval.multiturn.lazy_cap`): that question forces "
+        "the eviction, and the peak is about what eager needs while it reads the document. In lazy mode the "
+        "hybrid evicts on a question turn, so it is EchoKV there.\n",
         chat_table(records_of(out, "chat-")) or "(not run yet)",
         "\n## Wall time\n",
         "| stage | seconds |\n|---|---|\n" + "\n".join(f"| {k} | {v:.0f} |" for k, v in walls.items()),

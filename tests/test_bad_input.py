@@ -180,6 +180,14 @@ def test_chat_survives_a_bad_line(tiny_paths):
     assert err.count("| cells") == 2  # both good lines were answered
 
 
+def test_chat_refuses_a_nul_in_a_line(tiny_paths):
+    """llama.cpp's template engine reads C strings: a NUL would cut the message short silently."""
+    proc = kvlite("chat", "-m", tiny_paths["llama"], "-n", "4", stdin=b"hello\nhel\x00lo\nagain\n")
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert err.count("contains a NUL character") == 1 and err.count("| cells") == 2, err
+
+
 # From 0 s (CPython still starting: the signal ends it as SIGINT does) through the imports to the
 # generation. kvlite's handler is in place from its first import on; what precedes that is CPython's
 # own startup (site), a few milliseconds.

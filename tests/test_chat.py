@@ -136,3 +136,26 @@ def test_chat_lazy_mode_answers_a_question_asked_after_the_document():
     status = [line for line in proc.stderr.splitlines() if line.startswith("[lazy")]
     assert len(status) == 2 and "nothing evicted" in status[0] and "kept 256 (echokv)" in status[1], status
     assert "54554" in proc.stdout.strip().splitlines()[-1], proc.stdout
+
+
+@pytest.mark.slow
+def test_chat_default_mode_answers_two_questions_after_the_document():
+    """Issue 11's user case in kvlite chat's default mode (lazy, chosen on the tune split): the
+    document in a turn of its own with two stated-once facts, then a question about each. -c 1312
+    leaves room for the document and the first question with its reply, not for the second's: the
+    first is answered from the whole document, the second turn forces the eviction to 256 cells
+    with its own queries, and its answer must come from what LAQ kept. (Eager mode cuts the document
+    to 256 cells before either question is asked: both answers were lost in the issue's run.)"""
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "needle.txt").read_text()
+    doc = " ".join(doc.rsplit("What is the locker code", 1)[0].split())
+    anchor = "All other classes in this module"  # about 85% into the document
+    doc = doc.replace(anchor, f"The boat of Ivo Tamm is moored at pier 7183. {anchor}", 1)
+    script = f"{doc} Please read the document above; I will ask questions about it.\n"
+    script += "What is the locker code of Orla Bren?\nAt which pier is the boat of Ivo Tamm moored?\n"
+    proc = run_cli("chat", "--policy", "laq", "--budget", "256", "-c", "1312", "-n", "48", stdin=script)
+    assert proc.returncode == 0, proc.stderr
+    status = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert len(status) == 3 and all(line.startswith("[lazy |") for line in status), status
+    assert "nothing evicted" in status[1] and "kept 256 (laq)" in status[2], status
+    replies = proc.stdout.strip().splitlines()
+    assert "54554" in replies[-2] and "7183" in replies[-1], replies[-2:]

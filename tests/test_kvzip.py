@@ -122,7 +122,7 @@ def test_kvzip_on_a_document_turn_then_the_question(smol_model):
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "needle.txt").read_text()
     doc = doc.rsplit("What is the locker code", 1)[0].strip()
     session = Session(smol_model, make_policy("kvzip", budget=256))
-    conv = session.conversation()
+    conv = session.conversation(evict="eager")
     conv.turn(doc + "\n\nPlease read the document above; I will ask questions about it.", 8, None, lambda: False,
               progress=False)  # fmt: skip
     kept = conv.runner.cache.tokens_at(conv.runner.cache.positions())

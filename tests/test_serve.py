@@ -66,7 +66,8 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(smol_model):
-    cfg = ServeConfig(api_key=KEY, slots=2, queue=4, n_predict=32, max_body=1 << 20)
+    # eager: the tests of this server count each turn's eviction (the default mode is lazy)
+    cfg = ServeConfig(api_key=KEY, slots=2, queue=4, n_predict=32, max_body=1 << 20, evict="eager")
     s = Live(Server(cfg, model=smol_model))
     yield s
     s.stop()
@@ -340,6 +341,14 @@ def test_a_policy_the_chat_mode_cannot_run_is_a_400(smol_model):
         ok = live.post("/v1/chat/completions", {"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 64,
                                                  "max_tokens": 4}, headers={})  # fmt: skip
         assert ok.status_code == 200 and ok.json()["kvlite"]["evict"] == "lazy"
+    finally:
+        live.stop()
+    live = Live(Server(ServeConfig(), model=smol_model))  # the default: lazy where a policy can run it
+    try:
+        for policy, mode in [({"kv_policy": "full"}, "eager"), ({"kv_policy": "snapkv", "kv_budget": 64}, "lazy"),
+                             ({"kv_policy": "streaming", "kv_budget": 64}, "eager")]:  # fmt: skip
+            r = live.post("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 4, **policy}, headers={})
+            assert r.status_code == 200 and r.json()["kvlite"]["evict"] == mode, (policy, r.text)
     finally:
         live.stop()
 

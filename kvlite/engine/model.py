@@ -150,6 +150,8 @@ class Model:
             keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
         except UnicodeEncodeError:
             raise KvliteError("a message is not valid UTF-8") from None
+        if any(b"\x00" in c for _, c in keep):  # the C API would end the message there, silently
+            raise KvliteError("a message contains a NUL character: remove it")
         arr = (L.llama_chat_message * len(keep))(*[L.llama_chat_message(r, c) for r, c in keep])
         size = 256 + 2 * sum(len(c) + len(r) for r, c in keep)
         buf = ctypes.create_string_buffer(size)

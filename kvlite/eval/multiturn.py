@@ -1,44 +1,52 @@
 """Multi-turn cells: a generated conversation (a document turn, then questions turn by turn) replayed
-under one policy and one chat eviction mode, exactly as `kvlite chat` runs it, scored per question
-turn. Every cell reads the document itself: a conversation's cache depends on the mode from the
-first turn on, so there is no shared prefix to replay."""
+under one policy and one chat eviction mode, as `kvlite chat` runs it (lazy mode under the cap
+that lazy_cap sets), scored per question turn. Every cell reads the document itself: a
+conversation's cache depends on the mode from the first turn on, so there is no shared prefix to
+replay."""
 
 from __future__ import annotations
 
 import time
 
-from ..api import Session
+from ..api import Conversation, Session
 from ..engine import Model, SamplingParams
 from ..policies import Policy
 from ..runner import DEFAULT_CHUNK, RunSettings
 from . import metrics
 from .tasks import Sample
 
-LAZY_ROOM = 256  # lazy mode's cap in a grid: the document turn plus this many cells
 
-
-def conversation_cap(model: Model, sample: Sample, policy: Policy, evict: str) -> int:
-    """The cache cap a cell runs under. Eager: room for the whole conversation (the budget is the
-    policy's to keep). Lazy: the document turn plus LAZY_ROOM, so the document survives whole until
-    a question needs room, which is the mode's point; a cap below the document would make it eager."""
+def conversation_cap(model: Model, sample: Sample, policy: Policy) -> int:
+    """The context a cell allocates: room for the whole conversation (eager mode's budget is the
+    policy's to keep; lazy mode's cap is set lower once the document is read, see lazy_cap)."""
     extra = policy.lookahead_cells() + 64
     doc = len(model.tokenize_chat([{"role": "user", "content": sample.turns[0][0]}]))
-    if evict == "lazy":
-        return doc + sample.max_new_tokens + LAZY_ROOM + extra
     turn = lambda m: len(model.tokenize_chat([{"role": "user", "content": m}])) + 8  # noqa: E731 - template included
     return doc + sum(turn(m) for m, _ in sample.turns[1:]) + len(sample.turns) * (sample.max_new_tokens + 8) + extra
+
+
+def lazy_cap(conv: Conversation, question: str, n_predict: int) -> int:
+    """Lazy mode's cap in a grid: the document turn as read, then room for the first question but
+    not for its reply, so that question forces the eviction and its own queries choose what stays.
+    A larger cap would hold the whole conversation (lazy would be the full cache, at its memory);
+    a cap below the document would make it eager. The peak is then the document plus one question,
+    about what eager mode needs while it reads the document."""
+    extra = conv.runner.policy.lookahead_cells()
+    return conv.runner.cache.n_resident + conv.pending_tokens(question) + extra + n_predict // 2
 
 
 def run_conversation(
     model: Model, sample: Sample, policy: Policy, evict: str = "eager", n_threads: int | None = None
 ) -> dict:
-    cap = conversation_cap(model, sample, policy, evict)
-    settings = RunSettings(n_ctx=cap, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads)
+    n_ctx = conversation_cap(model, sample, policy)
+    settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads)
     conv = Session(model, policy, settings).conversation(evict=evict)
     outputs, scores, status = [], [], []
     t0 = time.perf_counter()
     try:
-        for message, answers in sample.turns:
+        for i, (message, answers) in enumerate(sample.turns):
+            if evict == "lazy" and i == 1:
+                conv.cap = lazy_cap(conv, message, sample.max_new_tokens)
             reply, stopped = conv.turn(message, sample.max_new_tokens, None, lambda: False, progress=False)
             outputs.append(reply)
             status.append(conv.last)
@@ -51,7 +59,7 @@ def run_conversation(
             "outputs": outputs,
             "turns": status,
             "evict": evict,
-            "cap": cap,
+            "cap": conv.cap,
             "max_cells": cache.max_cells,
             "evicted": cache.evicted,
             "workspace_forward_passes": conv.runner.workspace_forward_passes,
