@@ -47,13 +47,15 @@ class CachedKV:
 
     def __init__(self, sf: kvstate.StateFile, n_head_kv: int):
         self.file, self.n_head_kv = sf, n_head_kv
-        self.order = np.argsort(sf.pos, kind="stable")
+        self.order = sf.by_position
         self.positions = sf.pos[self.order]
         self.n_layer = sf.n_layer
 
-    def layer(self, il: int) -> np.ndarray:
-        rows = self.k_rows(il)  # [n, n_head_kv * head_dim]
-        return np.ascontiguousarray(rows.reshape(len(self.order), self.n_head_kv, -1).transpose(1, 0, 2))
+    def layer(self, il: int, cells: np.ndarray | None = None) -> np.ndarray:
+        """Layer il's keys [n_head_kv, n, head_dim]; cells: only these (indices into `positions`)."""
+        order = self.order if cells is None else self.order[cells]
+        rows = self.file.k(il, order)  # [n, n_head_kv * head_dim]
+        return np.ascontiguousarray(rows.reshape(len(order), self.n_head_kv, -1).transpose(1, 0, 2))
 
     def k_rows(self, il: int) -> np.ndarray:
         """Layer il's K rows [n, n_head_kv * head_dim] as stored, in the order of `positions`."""
@@ -66,11 +68,11 @@ class CachedKV:
         self.file.close()
 
 
-def _stack(read, layers: Sequence[int], order: np.ndarray) -> np.ndarray:
+def _stack(read, layers: Sequence[int]) -> np.ndarray:
     """[len(layers), ...] filled a layer at a time (no list of copies beside the result)."""
     out = None
     for i, il in enumerate(layers):
-        rows = read(il, order)
+        rows = read(il)
         if out is None:
             out = np.empty((len(layers), *rows.shape), rows.dtype)
         out[i] = rows
@@ -116,10 +118,13 @@ class KVCache:
 
     def read_kv(self, layers: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The live sequence's cached keys and values as llama.cpp holds them (state export, never
-        recomputed): positions [n] ascending, K and V [len(layers), n, n_head_kv * head_dim]."""
-        with self._live_file("reading the live cache") as sf:
-            order = np.argsort(sf.pos, kind="stable")
-            return sf.pos[order], _stack(sf.k, layers, order), _stack(sf.v, layers, order)
+        recomputed): positions [n] ascending, K and V [len(layers), n, n_head_kv * head_dim]. Every
+        layer at once, for tests and benchmarks; an eviction reads a layer at a time (cached_kv)."""
+        kv = self.cached_kv(n_head_kv=0)  # the rows as stored need no head count
+        try:
+            return kv.positions, _stack(kv.k_rows, layers), _stack(kv.v_rows, layers)
+        finally:
+            kv.close()
 
     def cached_kv(self, n_head_kv: int) -> CachedKV:
         """The live sequence's cached K/V, to be read a layer at a time (closed with it, or by GC)."""
@@ -198,7 +203,7 @@ class KVCache:
         Exports the live sequence, clears the pool and loads it back. Cached values are copied
         bit for bit, so only the speed changes."""
         with self._live_file("compacting") as sf:  # the file, not state_get: see kvstate.StateFile
-            ordered = kvstate.build(kvstate.SeqState(LIVE, [sf.stream(np.argsort(sf.pos, kind="stable"))]))
+            ordered = kvstate.build(kvstate.SeqState(LIVE, [sf.stream(sf.by_position)]))
             self.ctx.clear()
             try:
                 self.ctx.state_set(ordered, LIVE)

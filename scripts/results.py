@@ -424,7 +424,11 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   Paired: EchoKV - LAQ +0.14 [0.03, 0.25] at 128 (EchoKV ahead), +0.03 [-0.08, 0.14] at 256 (a tie);
   both are ahead of SnapKV and StreamingLLM by 0.50-0.68 with intervals far from zero. The lookahead
   caches are also the closest to the full cache (KL 0.21 EchoKV, 0.37 LAQ, 0.81 SnapKV at 128).
-  Qwen, 8K and 2K: not run yet.
+- **The same on Qwen (4K, 36 samples).** EchoKV 0.89 and 0.92, LAQ 0.86 and 0.92, the full cache
+  0.92: both lookahead policies keep what the full cache answers. EchoKV - LAQ +0.03 [0.00, 0.08]
+  at 128 and 0.00 at 256: a tie. SnapKV (0.11, 0.44) and TOVA (0.17, 0.36) recover part of it at
+  256 cells; both lookaheads are ahead of SnapKV by 0.47-0.78 and of StreamingLLM by 0.86-0.92,
+  intervals far from zero. SmolLM2 at 8K and both models at 2K: see the tables' n (still running).
 - **Counter-causal.** `cc`, `cc-fast` and kvlite's `cc-blind` score 0 at 128 and 256 cells of a 4K
   prompt, with a KL to the full cache around 4 nats (StreamingLLM's is about 1.2): the kept sets
   hold almost none of the evidence (1-10%). Replacing the token's own input by a neutral embedding
@@ -444,6 +448,30 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   sample against the full cache): the attention policies 1.07-1.18x, `cc-fast` 1.43x, EchoKV 4.9x
   (a lookahead at every refresh), `cc` and `cc-blind` 6.6-6.7x. The paper's claim does not hold on
   these models in its own regime, and the blind variant does not change that.
+- **Chat** (the multi-turn table; the default mode was chosen on its tune rows,
+  `scripts/pick_chat_default.py`): lazy eviction beats eager by +0.24 [0.16, 0.31] averaged over
+  snapkv, laq, echokv, kvzip and the hybrid, because the question that forces the eviction chooses
+  what stays; questions asked after that about other facts are mostly lost at 128-256 cells. The
+  hybrid does not pay (it is EchoKV in lazy mode, and behind EchoKV in eager mode), and token-level
+  KVzip scores about chance on SmolLM2 (docs/policies.md).
+
+## What to use
+
+- **One long prompt with the question in it** (a document and a question; retrieval, QA): `--policy
+  echokv` (or `laq`, which ties it at 256 cells and costs the same workspace passes) at `--budget
+  128`-`256`. Both kept what the full cache answers from 4K prompts on both models; every
+  prompt-window and recency policy (SnapKV, TOVA, H2O, StreamingLLM) lost most of it at these
+  budgets. Their scoring costs a 24-token lookahead on a workspace, a few seconds at 4K on a laptop
+  CPU.
+- **A chat where the document comes first and the questions later**: `kvlite chat --policy laq
+  --budget 256`, in the default lazy mode, with `-c` a little above the document: the cache holds
+  the document until a question needs room, and that question chooses what stays. An eviction
+  serves the question that forced it; later questions about other facts are mostly lost, so when
+  a document must serve many questions, give it the room (`-c`) instead of a small budget.
+- **A long generation under a fixed memory** (chunked mode, `--cache J`): StreamingLLM is as good as
+  anything measured here and the cheapest; nothing kept a long recall intact at J = 256.
+- **Not recommended on these models**: `cc`, `cc-fast`, `cc-blind` (they evict the stated-once
+  values the answer needs), `kvzip` and `hybrid` (token-level reconstruction scores are near flat).
 """
 
 if __name__ == "__main__":

@@ -211,6 +211,7 @@ class StateFile:
         self.layout = streams[0]
         self.pos = self.layout.pos
         self.n_layer = len(self.layout.k_at)
+        self.by_position = np.argsort(self.pos, kind="stable")  # cells in position order
 
     def k(self, il: int, order: np.ndarray | None = None) -> np.ndarray:
         """Layer il's K rows [cells, n_embd_k], in cell order or in `order`."""

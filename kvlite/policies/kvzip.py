@@ -92,9 +92,10 @@ class KVzip(Policy):
                 q, k = look.reconstruct(repeat_prompt(obs.model, previous) + tokens[c0:c1])
             finally:
                 look.close()
+            cells = np.r_[0:sink, c0:c1]  # what the pass's softmax sees of the cache: its sinks and chunk
             for il in range(keys.n_layer):
-                cached = keys.layer(il)
-                ks = np.concatenate([cached[:, :sink], cached[:, c0:c1], k[il].astype(cached.dtype)], axis=1)
+                cached = keys.layer(il, cells)
+                ks = np.concatenate([cached, k[il].astype(cached.dtype)], axis=1)
                 s = native().attn_pool(q[il][None], ks[None], reduce="max", causal_tail=q[il].shape[1])
                 out[il, :, c0:c1] = s[0, :, sink : sink + c1 - c0]  # s: [1, Hkv, sink + chunk + pass]
             del q, k  # else they live on through the next pass's capture: twice the memory
