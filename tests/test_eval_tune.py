@@ -51,3 +51,25 @@ def test_successive_halving_keeps_the_best_third_and_grows_n():
 def test_joint_grid_spells_every_combination():
     specs = tune.joint_grid("echokv", {"S": [1, 16], "T": [16, 24]})
     assert specs == ["echokv(S=1,T=16)", "echokv(S=1,T=24)", "echokv(S=16,T=16)", "echokv(S=16,T=24)"]
+
+
+def test_chat_mode_difference_is_per_conversation_and_tune_only():
+    """scripts/pick_chat_default.py: lazy - eager averaged over policies and budgets within each
+    conversation, so the bootstrap's unit is the conversation (n = 2 here, not 8 cells)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from pick_chat_default import mode_difference
+
+    records = []
+    for policy in ("snapkv", "laq"):
+        for budget in (128, 256):
+            records += [rec(f"{policy}(evict=lazy)", 0, 1.0, budget, task="chat/1024"),
+                        rec(f"{policy}(evict=eager)", 0, 0.0, budget, task="chat/1024"),
+                        rec(f"{policy}(evict=lazy)", 1, 0.5, budget, task="chat/1024"),
+                        rec(f"{policy}(evict=eager)", 1, 0.5, budget, task="chat/1024")]  # fmt: skip
+    iv = mode_difference(records)
+    assert iv.n == 2 and iv.mean == pytest.approx(0.5)  # conversation 0: +1, conversation 1: 0
+    with pytest.raises(KvliteError, match="tune split alone"):
+        mode_difference([*records, rec("laq(evict=lazy)", 2, 1.0, split="test", task="test:chat/1024")])
