@@ -128,15 +128,20 @@ class Session:
             self._conversation.reset()
 
 
+def check_evict(evict: str | None) -> None:
+    """A chat eviction mode kvlite knows (None: the default)."""
+    if evict is not None and evict not in EVICT_MODES:
+        raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{evict}'")
+
+
 def evict_mode(evict: str | None, policy: Policy) -> str:
     """The chat eviction mode a conversation runs: the one asked for, or else DEFAULT_EVICT where
     it applies (a prefill-end policy with a budget) and eager where it does not (the full cache
     never evicts; chunked mode evicts as it reads)."""
     lazy_applies = policy.budget is not None and not policy.continuous
+    check_evict(evict)
     if evict is None:
         return DEFAULT_EVICT if lazy_applies else "eager"
-    if evict not in EVICT_MODES:
-        raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{evict}'")
     if evict == "lazy" and not lazy_applies:
         raise KvliteError("--evict lazy needs a prefill-end policy with a --budget (chunked mode evicts as it reads)")
     return evict
@@ -165,13 +170,12 @@ class Conversation:
         """Feed one user message (or the messages that follow the conversation, the last a user's)
         and generate the reply. Returns (reply, why it stopped)."""
         model = self.runner.model
-        new = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
-        messages, full, tokens = self._render(new)
+        messages, full, tokens, reread = self._render(user)
         runner, cache = self.runner, self.runner.cache
-        if not full.startswith(self.rendered):
-            cache.reset()  # the template re-rendered what the cache holds: it is all read again
+        if reread:
+            cache.reset()
             self.rendered = ""
-        question = asks_something(new[-1]["content"])
+        question = asks_something(messages[-1]["content"])
         evict = self._make_room(len(tokens), n_predict)
         start, evicted = cache.n_pos, cache.evicted
         with progress_bar(len(tokens) if progress else 0, "prefill", min_total=2 * runner.chunk) as bar:
@@ -194,21 +198,23 @@ class Conversation:
 
     def pending_tokens(self, user: str | Sequence[dict]) -> int:
         """How many tokens a turn with this message would read into the cache."""
-        new = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
-        return len(self._render(new)[2])
+        return len(self._render(user)[2])
 
-    def _render(self, new: list[dict]) -> tuple[list[dict], str, list[int]]:
-        """The conversation with `new` appended, its rendered text, and the tokens the cache lacks.
-        The template re-renders the whole conversation; the cache already holds its prefix (as text:
-        the reply's tokens as generated need not be how the text would tokenize)."""
+    def _render(self, user: str | Sequence[dict]) -> tuple[list[dict], str, list[int], bool]:
+        """The conversation with the turn's messages appended, its rendered text, the tokens the
+        cache lacks, and whether the cache must be read again from the start. The template
+        re-renders the whole conversation; the cache holds its prefix (as text: the reply's tokens
+        as generated need not be how the text would tokenize), unless the template rewrote it."""
+        new = [{"role": "user", "content": user}] if isinstance(user, str) else list(user)
         if not new or new[-1].get("role") != "user":
             raise KvliteError("the last message of a turn must be the user's")
         model = self.runner.model
         messages = [*self.messages, *new]
         pieces = model.chat_segments(messages, add_assistant=True)
         full = "".join(t for t, _ in pieces)
-        held = self.rendered if full.startswith(self.rendered) else ""
-        return messages, full, model.tokenize_pieces(drop_prefix(pieces, len(held)), add_special=not held)
+        reread = not full.startswith(self.rendered)
+        held = "" if reread else self.rendered
+        return messages, full, model.tokenize_pieces(drop_prefix(pieces, len(held)), add_special=not held), reread
 
     def _make_room(self, n_new: int, n_predict: int) -> bool:
         """Whether this turn evicts once it is read. Eager: always (the policy's budget decides).

@@ -120,15 +120,15 @@ class KVCache:
         """The live sequence's cached keys and values as llama.cpp holds them (state export, never
         recomputed): positions [n] ascending, K and V [len(layers), n, n_head_kv * head_dim]. Every
         layer at once, for tests and benchmarks; an eviction reads a layer at a time (cached_kv)."""
-        kv = self.cached_kv(n_head_kv=0)  # the rows as stored need no head count
+        kv = self.cached_kv()
         try:
             return kv.positions, _stack(kv.k_rows, layers), _stack(kv.v_rows, layers)
         finally:
             kv.close()
 
-    def cached_kv(self, n_head_kv: int) -> CachedKV:
+    def cached_kv(self) -> CachedKV:
         """The live sequence's cached K/V, to be read a layer at a time (closed with it, or by GC)."""
-        return CachedKV(self._live_file("reading the live cache"), n_head_kv)
+        return CachedKV(self._live_file("reading the live cache"), self.ctx.model.info.n_head_kv)
 
     def _live_file(self, purpose: str) -> kvstate.StateFile:
         if self.workspace_active:

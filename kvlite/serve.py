@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .api import CHAT_CTX, EVICT_MODES, Conversation, Session, evict_mode
+from .api import CHAT_CTX, Conversation, Session, check_evict, evict_mode
 from .cache import Snapshot
 from .engine import Model, SamplingParams
 from .errors import KvliteError
@@ -70,8 +70,7 @@ class ServeConfig:
             raise KvliteError(f"--queue must be 0 or more, got {self.queue}")
         if not 0 < self.port < 65536:
             raise KvliteError(f"--port must be in 1..65535, got {self.port}")
-        if self.evict is not None and self.evict not in EVICT_MODES:
-            raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{self.evict}'")
+        check_evict(self.evict)
         if self.slot_save_path is not None and not pathlib.Path(self.slot_save_path).is_dir():
             raise KvliteError(f"--slot-save-path {self.slot_save_path} is not a directory")
         if not 0 <= self.n_predict <= self.max_tokens:

@@ -27,14 +27,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlite.eval import report, stats, tune  # noqa: E402
+from kvlite.eval.grid import parse_spec  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
 
 POLICIES = ["snapkv", "laq", "echokv", "kvzip", "hybrid"]  # as scripts/results.py's CHAT
 BUDGETS = [128, 256]
-
-
-def spec(policy: str, mode: str) -> str:
-    return f"{policy}(evict={mode})"
 
 
 def mode_difference(records: list[dict]) -> stats.Interval:
@@ -42,9 +39,9 @@ def mode_difference(records: list[dict]) -> stats.Interval:
     over samples (the cells of one sample are not independent of each other)."""
     by: dict = {}
     for r in tune.tune_only(records):
-        if "score" in r and r.get("budget") in BUDGETS and "(evict=" in r["policy"]:
-            policy, mode = r["policy"][:-1].split("(evict=")
-            by[(report.sample_key(r), policy, r["budget"], mode)] = r["score"]
+        policy, params = parse_spec(r["policy"])
+        if "score" in r and r.get("budget") in BUDGETS and "evict" in params:
+            by[(report.sample_key(r), policy, r["budget"], params["evict"])] = r["score"]
     cells = sorted({k[:-1] for k in by if k[-1] == "lazy"} & {k[:-1] for k in by if k[-1] == "eager"})
     per_sample: dict = defaultdict(lambda: ([], []))
     for c in cells:
@@ -62,8 +59,9 @@ def main() -> None:
     records = tune.tune_only(read_records(runs))
     lazy_gain = mode_difference(records)
     mode = "lazy" if lazy_gain.lo > 0 else "eager"
-    standings = tune.rank(records, [spec(p, mode) for p in POLICIES], BUDGETS)
-    versus = {b: tune.versus(records, spec("hybrid", mode), spec(b, mode), BUDGETS) for b in ("echokv", "kvzip")}
+    standings = tune.rank(records, [tune.spec(p, evict=mode) for p in POLICIES], BUDGETS)
+    hybrid = tune.spec("hybrid", evict=mode)
+    versus = {b: tune.versus(records, hybrid, tune.spec(b, evict=mode), BUDGETS) for b in ("echokv", "kvzip")}
     hybrid_pays = all(v.lo > 0 for v in versus.values())
     result = {
         "mode": mode,

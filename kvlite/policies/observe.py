@@ -54,7 +54,7 @@ class Observation:
     def keys(self) -> CachedKV:
         """Cached post-RoPE keys of the resident cells, from llama.cpp's state, a layer at a time:
         keys.layer(il) is [Hkv, n, D] f16 in the order of `positions`."""
-        keys = self.cache.cached_kv(self.info.n_head_kv)
+        keys = self.cache.cached_kv()
         assert np.array_equal(keys.positions, self.positions)
         return keys
 

@@ -160,7 +160,7 @@ def cache_contents(cache, model: SurpriseModel, variant: str) -> CacheContents:
     """Everything a counter-causal pass needs, read from the live cache: K/V from llama.cpp's
     state, tokens from the token buffer, hidden states (fast) kept beside it."""
     first = model.first_layer(variant)
-    kv = cache.cached_kv(model.info.n_head_kv)  # read a layer at a time as the pass goes
+    kv = cache.cached_kv()  # read a layer at a time as the pass goes
     layers = range(first, model.info.n_layer)
     positions, k, v = kv.positions, LayerRows(kv.k_rows, layers), LayerRows(kv.v_rows, layers)
     hidden = None
