@@ -453,11 +453,13 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   (a lookahead at every refresh), `cc` and `cc-blind` 6.6-6.7x. The paper's claim does not hold on
   these models in its own regime, and the blind variant does not change that.
 - **Chat** (the multi-turn table; the default mode was chosen on its tune rows,
-  `scripts/pick_chat_default.py`): lazy eviction beats eager by +0.24 [0.16, 0.31] averaged over
+  `scripts/pick_chat_default.py`): lazy eviction beats eager by +0.17 [0.11, 0.23] averaged over
   snapkv, laq, echokv, kvzip and the hybrid, because the question that forces the eviction chooses
-  what stays; questions asked after that about other facts are mostly lost at 128-256 cells. The
-  hybrid does not pay (it is EchoKV in lazy mode, and behind EchoKV in eager mode), and token-level
-  KVzip scores about chance on SmolLM2 (docs/policies.md).
+  what stays; questions asked after that about other facts are mostly lost at 128-256 cells. In
+  lazy mode the hybrid does not pay (it is EchoKV there). In eager mode, where the document is
+  evicted before any question, KVzip's query-agnostic score does: hybrid - echokv +0.20 [0.09,
+  0.30] on the tune split. Token-level KVzip needs kvlite's `selective` pair vote for that; KVzip's
+  own threshold, read at token level, keeps evidence at chance on SmolLM2 (docs/policies.md).
 
 ## What to use
 
@@ -471,11 +473,13 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   --budget 256`, in the default lazy mode, with `-c` a little above the document: the cache holds
   the document until a question needs room, and that question chooses what stays. An eviction
   serves the question that forced it; later questions about other facts are mostly lost, so when
-  a document must serve many questions, give it the room (`-c`) instead of a small budget.
+  a document must serve many questions, give it the room (`-c`) instead of a small budget. Where
+  the cache must stay at the budget from the document turn on (`--evict eager`), use `--policy
+  hybrid` or `kvzip`: they choose without the question.
 - **A long generation under a fixed memory** (chunked mode, `--cache J`): StreamingLLM is as good as
   anything measured here and the cheapest; nothing kept a long recall intact at J = 256.
 - **Not recommended on these models**: `cc`, `cc-fast`, `cc-blind` (they evict the stated-once
-  values the answer needs), `kvzip` and `hybrid` (token-level reconstruction scores are near flat).
+  values the answer needs).
 """
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from kvlite.api import Session, asks_something
 from kvlite.engine import Model
 from kvlite.errors import KvliteError
 from kvlite.policies import KVzip, make_policy
-from kvlite.policies.kvzip import POSTFIX, repeat_prompt, to_tokens
+from kvlite.policies.kvzip import POSTFIX, max_pool, repeat_prompt, to_tokens
 from kvlite.reference.model import ReferenceModel
 from kvlite.reference.scores import attn_pool
 from kvlite.runner import Runner, RunSettings
@@ -24,9 +24,10 @@ from kvlite.runner import Runner, RunSettings
 ATOL_KVZIP = 1e-4
 
 
-def twin_pair_scores(path: str, tokens: list[int], sinks: int, chunk: int, model: Model) -> np.ndarray:
+def twin_pair_scores(path: str, tokens: list[int], sinks: int, chunk: int, model: Model, kernel: int) -> np.ndarray:
     """KVzip's pair scores from the torch reference model: read the context, then for each chunk
-    teacher-force the repeat prompt and the chunk on a copy of the cache, and score."""
+    teacher-force the repeat prompt and the chunk on a copy of the cache, and score; then torch's
+    max_pool1d over the scored cells (SnapKV's smoothing)."""
     ref = ReferenceModel(path)
     info = ref.info
     cache = ref.new_cache()
@@ -45,6 +46,9 @@ def twin_pair_scores(path: str, tokens: list[int], sinks: int, chunk: int, model
         ks = torch.cat([keys[:, :, :sinks], keys[:, :, c0:c1], k], dim=2)
         s = attn_pool(q, ks, reduce="max", causal_tail=len(seq))
         out[:, :, c0:c1] = s[:, :, sinks : sinks + c1 - c0].numpy()
+    if kernel > 1:
+        scored = torch.from_numpy(out[:, :, sinks:])
+        out[:, :, sinks:] = torch.nn.functional.max_pool1d(scored, kernel, stride=1, padding=kernel // 2).numpy()
     return out
 
 
@@ -59,7 +63,7 @@ def test_kvzip_matches_its_torch_twin(tiny_paths, chunk):
         runner.feed(tokens, evict=False)
         got = policy.pair_scores(runner.observation())
         assert not runner.cache.workspace_active and len(runner.cache.llama_positions(1)) == 0
-        want = twin_pair_scores(path, tokens, policy.sinks, chunk, model)
+        want = twin_pair_scores(path, tokens, policy.sinks, chunk, model, policy.pool_kernel)
         finite = np.isfinite(want)
         assert np.array_equal(finite, np.isfinite(got))
         err = np.abs(got[finite] - want[finite]).max()
@@ -72,8 +76,13 @@ def test_kvzip_matches_its_torch_twin(tiny_paths, chunk):
         runner.feed(tokens)
         assert len(runner.cache.positions()) == 48
         assert np.array_equal(runner.cache.positions(), runner.cache.llama_positions(0))
-        want_keep = np.sort(np.argsort(-to_tokens(want, "votes", 48), kind="stable")[:48])
-        assert len(set(want_keep) & set(runner.cache.positions().tolist())) >= 46  # ties may differ
+        twin = to_tokens(want, policy.pair_vote, 48)
+        cut = np.sort(twin)[::-1][47]  # the twin's 48th best score
+        kept = runner.cache.positions()
+        # the pool's plateaus tie, so compare scores, not sets: every kept cell scores at least the
+        # twin's 48th best, but the last token (always kept)
+        below = kept[twin[kept] < cut - ATOL_KVZIP]
+        assert set(below.tolist()) <= {len(tokens) - 1}
         out, _ = runner.generate(4)
         assert len(out) == 4
     finally:
@@ -87,6 +96,24 @@ def test_pair_votes_follow_a_global_threshold():
     assert votes[1] > 1 and votes[2] > 1 and votes[3] > 2 and votes[4] < 1  # 0.95, 0.9, 0.8 and 0.7 survive
     assert votes[3] > votes[2] > votes[1] > votes[4]  # 3 holds two surviving pairs; ties by the mean
     np.testing.assert_allclose(to_tokens(pairs, "max", 2)[1:], [0.9, 0.95, 0.8, 0.3])
+
+
+def test_selective_leaves_out_the_heads_that_pay_every_token():
+    copying = [np.inf, 0.9, 0.95, 0.92, 0.9]  # median 0.91: pays every token
+    picky = [np.inf, 0.01, 0.6, 0.02, 0.03]  # median 0.025
+    quiet = [np.inf, 0.05, 0.01, 0.3, 0.02]  # median 0.035
+    pairs = np.array([[copying, picky, quiet]])  # [1 layer, 3 heads, 5]; median of medians 0.035
+    got = to_tokens(pairs, "selective", 3)
+    assert np.isinf(got[0])
+    np.testing.assert_allclose(got[1:], [0.05, 0.6, 0.3, 0.03])  # the max over picky and quiet only
+
+
+def test_max_pool_smooths_each_head_over_the_scored_cells():
+    pairs = np.array([[[np.inf, np.inf, 0.1, 0.5, 0.2, 0.0, 0.0, 0.3]]])
+    got = max_pool(pairs, 3)
+    assert np.isinf(got[0, 0, :2]).all()  # the sinks stay inf and lend nothing to cell 2
+    np.testing.assert_allclose(got[0, 0, 2:], [0.5, 0.5, 0.5, 0.2, 0.3, 0.3])
+    assert max_pool(pairs, 0) is pairs
 
 
 def test_asks_something():
@@ -114,19 +141,20 @@ def test_lazy_mode_keeps_whole_turns_under_the_cap_then_evicts(tiny_paths):
 
 
 @pytest.mark.slow
-def test_kvzip_on_a_document_turn_then_the_question(smol_model):
-    """The user's case: a document in a turn of its own, the question a turn later. Prints where
-    KVzip ranks the stated-once code (reported in the closing note), and checks the chat works."""
+def test_kvzip_keeps_a_stated_once_code_before_the_question(smol_model):
+    """The user's case: a document in a turn of its own, the question a turn later. At budget 128
+    of ~1200 cells KVzip (kvlite's default pair vote and pooling, chosen on the tune split) keeps
+    the locker code, which no question has pointed at yet; the chat then goes on."""
     import pathlib
 
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "needle.txt").read_text()
     doc = doc.rsplit("What is the locker code", 1)[0].strip()
-    session = Session(smol_model, make_policy("kvzip", budget=256))
+    session = Session(smol_model, make_policy("kvzip", budget=128))
     conv = session.conversation(evict="eager")
     conv.turn(doc + "\n\nPlease read the document above; I will ask questions about it.", 8, None, lambda: False,
               progress=False)  # fmt: skip
-    kept = conv.runner.cache.tokens_at(conv.runner.cache.positions())
-    print("kvzip kept the code:", "54554" in smol_model.detokenize(kept))
-    assert len(conv.runner.cache.positions()) <= 256 + 8
-    reply, _ = conv.turn("What is the locker code of Orla Bren?", 16, None, lambda: False, progress=False)
+    cache = conv.runner.cache
+    assert cache.n_resident <= 128 + 8 and cache.evicted > 1000
+    assert "54554" in session.model.detokenize(cache.tokens_at(cache.positions()))
+    conv.turn("What is the locker code of Orla Bren?", 16, None, lambda: False, progress=False)
     assert "kvzip" in conv.status()

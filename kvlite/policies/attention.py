@@ -21,6 +21,11 @@ def lookahead_param(default: int):
                  "passes (laq, echokv)", short="-T", alias="T", minimum=1)  # fmt: skip
 
 
+def pool_kernel_param(default: int):
+    return param(default, "--pool-kernel", "max-pool smoothing of attention scores (odd; 0 = none)", alias="kernel",
+                 minimum=0, odd=True)  # fmt: skip
+
+
 def anchors_param(default: int):
     return param(default, "--anchors", "last prompt queries rotated into proposals (S)", alias="S", minimum=1)
 
@@ -32,8 +37,7 @@ class AttentionPolicy(Policy):
 
     aggregation: str = param("max", "--aggregate", "per-(layer, KV group) scores to one per token",
                              type=str, alias="aggregate", choices=METHODS)  # fmt: skip
-    pool_kernel: int = param(7, "--pool-kernel", "max-pool smoothing of attention scores (odd; 0 = none)",
-                             alias="kernel", minimum=0, odd=True)  # fmt: skip
+    pool_kernel: int = pool_kernel_param(7)
 
     def scores_depend_on_budget(self) -> bool:
         return self.aggregation == "votes"  # votes count top-budget memberships

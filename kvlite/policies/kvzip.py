@@ -9,9 +9,12 @@ How the port reads the reference code (snu-mllab/KVzip attention/score.py, kvpre
 kvzip_press.py): the prompts are theirs; each pass's softmax runs over the first `sinks` cells,
 its chunk's cells and the pass's own tokens (causally), as theirs; the score is the maximum over
 the pass's queries and the query heads of a KV group, as theirs. KVzip then keeps (layer, head,
-token) triples above one global threshold; llama.cpp frees whole tokens, so kvlite keeps a token by
-its best triple: the maximum over layers and KV heads of the raw scores (no per-row normalization,
-which is the token-level reading of a global threshold)."""
+token) triples above one global threshold; llama.cpp frees whole tokens, so kvlite needs one score
+per token. The faithful reading (`--pair-vote votes`: how many of a token's triples clear KVzip's
+threshold) keeps evidence at chance on SmolLM2, because a copying head pays every token ~0.9 as
+it is repeated. kvlite's default (its own, chosen on the tune split: results-runs/kvzip-tune-1024,
+docs/policies.md) leaves out the heads that pay every token (`selective`) and smooths each head's
+scores with SnapKV's max-pool of 7, as kvlite's SnapKV does."""
 
 from __future__ import annotations
 
@@ -22,12 +25,13 @@ import numpy as np
 
 from ..errors import KvliteError
 from ..native import native
+from .attention import pool_kernel_param
 from .base import Policy, param
 from .observe import Observation
 
 FIRST = "Repeat the previous context exactly."
 LATER = "Repeat the part of the previous context exactly, starting with"
-PAIR_VOTES = ("votes", "max", "mean")
+PAIR_VOTES = ("votes", "max", "mean", "selective")
 POSTFIX = 8  # tokens of the previous chunk quoted in a later chunk's prompt (KVzip's prev_postfix_size)
 PROMPT_ROOM = 160  # cells a repeat prompt may take beside its chunk (27 on SmolLM2; a byte-level vocabulary needs ~125)
 
@@ -61,8 +65,10 @@ class KVzip(Policy):
     captures: ClassVar[tuple[str, ...]] = ("q", "k")  # of the reconstruction passes
     repeat_chunk: int = param(512, "--repeat-chunk", "kvzip: cells teacher-forced back per reconstruction pass",
                               alias="C", minimum=16)  # fmt: skip
-    pair_vote: str = param("votes", "--pair-vote", "kvzip: (layer, head) scores to one per token: votes (pairs above "
-                           "KVzip's global threshold), max or mean", type=str, choices=PAIR_VOTES)  # fmt: skip
+    pair_vote: str = param("selective", "--pair-vote", "kvzip: (layer, head) scores to one per token: votes "
+                           "(pairs above KVzip's global threshold), max, mean, or selective (kvlite's own: the max "
+                           "over the pairs that do not pay every token)", type=str, choices=PAIR_VOTES)  # fmt: skip
+    pool_kernel: int = pool_kernel_param(7)
 
     def lookahead_cells(self) -> int:
         return self.repeat_chunk + PROMPT_ROOM
@@ -99,7 +105,21 @@ class KVzip(Policy):
                 s = native().attn_pool(q[il][None], ks[None], reduce="max", causal_tail=q[il].shape[1])
                 out[il, :, c0:c1] = s[0, :, sink : sink + c1 - c0]  # s: [1, Hkv, sink + chunk + pass]
             del q, k  # else they live on through the next pass's capture: twice the memory
-        return out
+        return max_pool(out, self.pool_kernel)
+
+
+def max_pool(pairs: np.ndarray, kernel: int) -> np.ndarray:
+    """SnapKV's smoothing on each (layer, head) row of pair scores: a cell takes the largest score
+    within kernel // 2 cells of it, over the scored cells only (the sinks stay inf and lend nothing)."""
+    if kernel <= 1:
+        return pairs
+    finite = np.isfinite(pairs[0, 0])
+    scored = pairs[:, :, finite]
+    half = kernel // 2
+    padded = np.pad(scored, ((0, 0), (0, 0), (half, half)), constant_values=-np.inf)
+    out = pairs.copy()
+    out[:, :, finite] = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=2).max(axis=-1)
+    return out
 
 
 def to_tokens(pairs: np.ndarray, how: str, budget: int | None) -> np.ndarray:
@@ -108,7 +128,9 @@ def to_tokens(pairs: np.ndarray, how: str, budget: int | None) -> np.ndarray:
     share of them that survives is the share of scored tokens the budget keeps; a token scores the
     number of its triples that survive (ties: the mean). max / mean: over layers and KV heads. On
     SmolLM2 every token has a copying head that pays it ~0.9 or more, so the maximum is nearly flat
-    (docs/policies.md)."""
+    (docs/policies.md). selective (kvlite's own): the maximum over the pairs whose median score is at
+    most the median of the pairs' medians; a copying head pays nearly every token as it is repeated,
+    so its high median says it cannot tell tokens apart, and it is left out."""
     n = pairs.shape[2]
     finite = np.isfinite(pairs[0, 0])
     out = np.full(n, np.inf)
@@ -119,6 +141,10 @@ def to_tokens(pairs: np.ndarray, how: str, budget: int | None) -> np.ndarray:
         out[finite] = p.max(axis=(0, 1))
     elif how == "mean":
         out[finite] = p.mean(axis=(0, 1))
+    elif how == "selective":
+        flat = p.reshape(-1, p.shape[2])
+        medians = np.median(flat, axis=1)
+        out[finite] = flat[medians <= np.median(medians)].max(axis=0)
     else:
         scored = int(finite.sum())
         keep = min(1.0, max(0.0, ((budget or n) - (n - scored)) / scored))  # the share of scored tokens kept
