@@ -12,6 +12,7 @@ import dataclasses
 import pathlib
 from collections.abc import Callable, Sequence
 
+from .cache import Snapshot
 from .engine import Model
 from .engine.model import drop_prefix
 from .errors import KvliteError
@@ -163,6 +164,15 @@ class Conversation:
         self.runner.cache.reset()
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.rendered = ""  # the text of the conversation the cache holds
+        self.primed: tuple[int, ...] = ()  # first-turn tokens already read (start_from)
+
+    def start_from(self, snapshot: Snapshot) -> None:
+        """Begin with the first tokens of the first turn already read, from a snapshot taken
+        elsewhere (an evaluation reads a document once for every cell); that turn then feeds only
+        the rest. It must begin with exactly the snapshot's tokens."""
+        self.reset()
+        self.runner.restore(snapshot)
+        self.primed = snapshot.tokens
 
     def turn(
         self, user: str | Sequence[dict], n_predict: int, on_text, interrupted, progress: bool = True
@@ -175,6 +185,10 @@ class Conversation:
         if reread:
             cache.reset()
             self.rendered = ""
+        if self.primed:
+            if tuple(tokens[: len(self.primed)]) != self.primed:
+                raise KvliteError("the first turn does not begin with the tokens the conversation started from")
+            tokens, self.primed = tokens[len(self.primed) :], ()
         question = asks_something(messages[-1]["content"])
         evict = self._make_room(len(tokens), n_predict)
         start, evicted = cache.n_pos, cache.evicted
@@ -198,7 +212,11 @@ class Conversation:
 
     def pending_tokens(self, user: str | Sequence[dict]) -> int:
         """How many tokens a turn with this message would read into the cache."""
-        return len(self._render(user)[2])
+        return len(self.turn_tokens(user)) - len(self.primed)
+
+    def turn_tokens(self, user: str | Sequence[dict]) -> list[int]:
+        """The tokens a turn with this message would read into the cache (the primed ones too)."""
+        return self._render(user)[2]
 
     def _render(self, user: str | Sequence[dict]) -> tuple[list[dict], str, list[int], bool]:
         """The conversation with the turn's messages appended, its rendered text, the tokens the

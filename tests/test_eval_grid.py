@@ -10,11 +10,11 @@ from conftest import run_cli
 
 from kvlite.engine import SamplingParams
 from kvlite.errors import KvliteError
-from kvlite.eval import tasks
+from kvlite.eval import multiturn, tasks
 from kvlite.eval.evaluate import SampleRun, tokenize
 from kvlite.eval.grid import Grid, GridConfig, parse_spec, split_policies
 from kvlite.eval.records import read_records
-from kvlite.policies import EchoKV, SnapKV
+from kvlite.policies import EchoKV, SnapKV, make_policy
 from kvlite.runner import Runner, RunSettings
 
 POLICIES = ["full", "streaming", "snapkv", "echokv(T=4,B1=96)"]
@@ -287,6 +287,25 @@ def test_multi_turn_tasks_run_per_turn_in_both_modes(tiny_paths, tmp_path):
     assert lazy["cap"] < eager["cap"]
     with pytest.raises(KvliteError, match="evict must be one of"):
         parse_spec("snapkv(evict=sometimes)")
+
+
+@pytest.mark.parametrize("spec", ["snapkv", "snapkv(evict=lazy)", "kvzip(C=64)", "echokv(T=4,B1=96,evict=lazy)", "h2o"])
+def test_a_conversation_from_the_document_read_once_equals_one_that_reads_it(tiny_model, spec):
+    """The grid reads a conversation's document once (multiturn.read_document) and every cell starts
+    from it; what each turn says, keeps and evicts must be what a cell reading it itself gets."""
+    (sample,) = tasks.generate("chat", 1, 300, lambda t: len(t.encode()), seed=3)
+    name, params = parse_spec(spec)
+    evict = params.pop("evict", "eager")
+    document = multiturn.read_document(tiny_model, sample, tail=32)
+    assert document is not None and len(document.tokens) > 200
+    runs = []
+    for doc in (None, document):
+        policy = make_policy(name, budget=48, **params)
+        runs.append(multiturn.run_conversation(tiny_model, sample, policy, evict, document=doc))
+    plain, primed = runs
+    for key in ("outputs", "turn_scores", "turns", "evicted", "max_cells", "cap"):
+        assert plain[key] == primed[key], key
+    assert primed["time"]["prefill_s"] < plain["time"]["prefill_s"] or name == "h2o"  # h2o reads every token
 
 
 def test_gzipped_records_are_read_and_not_redone(tiny_paths, tmp_path, uninterrupted):

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ..cache import KVCache
+from ..cache import KVCache, Snapshot
 from ..engine import Capture, Context, Model, SamplingParams
 from ..policies import FullKV, Policy
 from ..policies.lookahead import EchoKV
@@ -98,6 +98,26 @@ class Reference:
     logits: np.ndarray  # [len(tokens) - 1, n_vocab]: after each continuation token but the last
 
 
+def read_prefix(model: Model, tokens: list[int], n_ctx: int, n_threads: int | None = None) -> Snapshot | None:
+    """A prompt's first tokens read once, as a snapshot every cell restores and then feeds the rest
+    itself (the tokens whose queries its policy observes). Hidden states are kept for counter-
+    causal fast. None for no tokens."""
+    if not tokens:
+        return None
+    hidden_layer = model.info.n_layer - 2
+    capture = Capture()
+    capture.request("hidden", [hidden_layer])
+    ctx = Context(model, n_ctx, n_batch=CHUNK, n_threads=n_threads, capture=capture)
+    try:
+        cache = KVCache(ctx, hidden_layer=hidden_layer)
+        for start in range(0, len(tokens), CHUNK):
+            cache.append(tokens[start : start + CHUNK], logits="none")
+        return cache.snapshot()
+    finally:
+        ctx.close()
+        capture.close()
+
+
 class SampleRun:
     """One prompt read once; `cell(policy)` replays it under a policy and returns a record."""
 
@@ -109,19 +129,7 @@ class SampleRun:
         self.reference: Reference | None = None
         self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by policy spec (ScoreMemo)
         t0 = time.perf_counter()
-        hidden_layer = model.info.n_layer - 2
-        capture = Capture()
-        capture.request("hidden", [hidden_layer])  # counter-causal fast reads them from the snapshot
-        ctx = Context(model, self.n_ctx, n_batch=CHUNK, n_threads=n_threads, capture=capture)
-        try:
-            cache = KVCache(ctx, hidden_layer=hidden_layer)
-            head = prompt.tokens[: n - self.tail]
-            for start in range(0, len(head), CHUNK):
-                cache.append(head[start : start + CHUNK], logits="none")
-            self.snapshot = cache.snapshot() if head else None
-        finally:
-            ctx.close()
-            capture.close()
+        self.snapshot = read_prefix(model, prompt.tokens[: n - self.tail], self.n_ctx, n_threads)
         self.prefix_s = time.perf_counter() - t0
 
     def runner(self, policy: Policy, chunk: int = CHUNK) -> Runner:

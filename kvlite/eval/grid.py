@@ -351,13 +351,19 @@ class Grid:
                 emit(("error", where, _message(e)))
 
     def _run_conversations(self, model: Model, base: dict, sample: tasks.Sample, todo: list, emit) -> None:
-        """Multi-turn cells: each replays the whole conversation (kvlite.eval.multiturn)."""
+        """Multi-turn cells: each replays the conversation from its document read once (kvlite.eval.multiturn)."""
+        try:
+            document = multiturn.read_document(model, sample, self.tail, self.cfg.threads)
+        except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
+            emit(("error", base, _message(e)))
+            emit(("progress", len(todo)))
+            return
         for spec, budget in todo:
             where = {**base, "policy": spec, "budget": budget}
             try:
                 policy = policy_for(spec, budget)
                 evict = run_params(spec).get("evict", "eager") if budget is not None else "eager"
-                record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads)
+                record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads, document)
                 emit(("record", {**where, **record}))
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))

@@ -1,18 +1,20 @@
 """Multi-turn cells: a generated conversation (a document turn, then questions turn by turn) replayed
 under one policy and one chat eviction mode, as `kvlite chat` runs it (lazy mode under the cap
-that lazy_cap sets), scored per question turn. Every cell reads the document itself: a
-conversation's cache depends on the mode from the first turn on, so there is no shared prefix to
-replay."""
+that lazy_cap sets), scored per question turn. The document turn but its last few tokens is read once
+per conversation (read_document); every cell starts from that snapshot and reads the rest itself,
+so its policy observes those tokens' queries, as SampleRun's cells do."""
 
 from __future__ import annotations
 
 import time
 
 from ..api import Conversation, Session
+from ..cache import Snapshot
 from ..engine import Model, SamplingParams
 from ..policies import Policy
 from ..runner import DEFAULT_CHUNK, RunSettings
 from . import metrics
+from .evaluate import read_prefix
 from .tasks import Sample
 
 
@@ -35,12 +37,28 @@ def lazy_cap(conv: Conversation, question: str, n_predict: int) -> int:
     return conv.runner.cache.n_resident + conv.pending_tokens(question) + extra + n_predict // 2
 
 
+def read_document(model: Model, sample: Sample, tail: int, n_threads: int | None = None) -> Snapshot | None:
+    """The document turn read once but its last `tail` tokens (at least one is left to feed)."""
+    tokens = model.tokenize_chat([{"role": "user", "content": sample.turns[0][0]}])
+    head = tokens[: max(0, len(tokens) - max(1, tail))]
+    return read_prefix(model, head, len(tokens) + 8, n_threads)
+
+
 def run_conversation(
-    model: Model, sample: Sample, policy: Policy, evict: str = "eager", n_threads: int | None = None
+    model: Model,
+    sample: Sample,
+    policy: Policy,
+    evict: str = "eager",
+    n_threads: int | None = None,
+    document: Snapshot | None = None,
 ) -> dict:
+    """document: read_document's snapshot (None: the cell reads the document itself; a policy that
+    observes every token as it is read, H2O's, always does)."""
     n_ctx = conversation_cap(model, sample, policy)
     settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads)
     conv = Session(model, policy, settings).conversation(evict=evict)
+    if document is not None and not policy.continuous:
+        conv.start_from(document)
     outputs, scores, status = [], [], []
     t0 = time.perf_counter()
     try:
