@@ -290,22 +290,25 @@ def test_multi_turn_tasks_run_per_turn_in_both_modes(tiny_paths, tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["snapkv", "snapkv(evict=lazy)", "kvzip(C=64)", "echokv(T=4,B1=96,evict=lazy)", "h2o"])
-def test_a_conversation_from_the_document_read_once_equals_one_that_reads_it(tiny_model, spec):
-    """The grid reads a conversation's document once (multiturn.read_document) and every cell starts
-    from it; what each turn says, keeps and evicts must be what a cell reading it itself gets."""
+def test_a_conversation_from_shared_work_equals_one_that_does_it_all(tiny_model, spec):
+    """The grid reads a conversation's document once (multiturn.read_document) and shares the first
+    eviction's scores between budgets (multiturn.FirstEviction); what each turn says, keeps and
+    evicts must be what a cell doing all of it itself gets."""
     (sample,) = tasks.generate("chat", 1, 300, lambda t: len(t.encode()), seed=3)
     name, params = parse_spec(spec)
     evict = params.pop("evict", "eager")
     document = multiturn.read_document(tiny_model, sample, tail=32)
     assert document is not None and len(document.tokens) > 200
-    runs = []
-    for doc in (None, document):
-        policy = make_policy(name, budget=48, **params)
-        runs.append(multiturn.run_conversation(tiny_model, sample, policy, evict, document=doc))
-    plain, primed = runs
-    for key in ("outputs", "turn_scores", "turns", "evicted", "max_cells", "cap"):
-        assert plain[key] == primed[key], key
-    assert primed["time"]["prefill_s"] < plain["time"]["prefill_s"] or name == "h2o"  # h2o reads every token
+    memo: dict = {}
+    for budget in (64, 48):  # the second budget reuses the first one's scores
+        one, other = (make_policy(name, budget=budget, **params) for _ in range(2))
+        plain = multiturn.run_conversation(tiny_model, sample, one, evict)
+        shared = multiturn.run_conversation(tiny_model, sample, other, evict, document=document, memo=(memo, spec))
+        for key in ("outputs", "turn_scores", "turns", "evicted", "max_cells", "cap"):
+            assert plain[key] == shared[key], (budget, key)
+        assert shared["time"]["prefill_s"] < plain["time"]["prefill_s"]
+        assert shared["scores_reused"] == (budget == 48)
+    assert len(memo) == 2  # the scores, and the cells computing them held
 
 
 def test_gzipped_records_are_read_and_not_redone(tiny_paths, tmp_path, uninterrupted):

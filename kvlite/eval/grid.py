@@ -354,6 +354,7 @@ class Grid:
         """Multi-turn cells: each replays the conversation from its document read once (kvlite.eval.multiturn)."""
         try:
             document = multiturn.read_document(model, sample, self.tail, self.cfg.threads)
+            memo: dict = {}
         except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
             emit(("error", base, _message(e)))
             emit(("progress", len(todo)))
@@ -363,7 +364,8 @@ class Grid:
             try:
                 policy = policy_for(spec, budget)
                 evict = run_params(spec).get("evict", "eager") if budget is not None else "eager"
-                record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads, document)
+                record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads, document,
+                                                    (memo, spec))  # fmt: skip
                 emit(("record", {**where, **record}))
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))

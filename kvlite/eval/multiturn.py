@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from ..api import Conversation, Session
 from ..cache import Snapshot
 from ..engine import Model, SamplingParams
 from ..policies import Policy
+from ..policies.observe import Observation
 from ..runner import DEFAULT_CHUNK, RunSettings
 from . import metrics
-from .evaluate import read_prefix
+from .evaluate import ScoreMemo, read_prefix
 from .tasks import Sample
 
 
@@ -44,6 +47,22 @@ def read_document(model: Model, sample: Sample, tail: int, n_threads: int | None
     return read_prefix(model, head, len(tokens) + 8, n_threads)
 
 
+class FirstEviction(ScoreMemo):
+    """Shares the scores of a conversation's first eviction between cells of other budgets: until a
+    cell first evicts, its cache holds what every cell's holds (the same turns, greedy replies), so a
+    policy whose scores do not depend on the budget scores it the same. Later evictions differ. A
+    cell that reuses the scores is charged the cells their computation held (its workspace), so its
+    max_cells is what computing them would have reached."""
+
+    def scores(self, obs: Observation) -> np.ndarray:
+        if obs.cache.evicted:
+            return self.policy.scores(obs)
+        scores = super().scores(obs)
+        peak = self.memo.setdefault(self.key + " max_cells", obs.cache.max_cells)
+        obs.cache.max_cells = max(obs.cache.max_cells, peak)
+        return scores
+
+
 def run_conversation(
     model: Model,
     sample: Sample,
@@ -51,9 +70,14 @@ def run_conversation(
     evict: str = "eager",
     n_threads: int | None = None,
     document: Snapshot | None = None,
+    memo: tuple[dict, str] | None = None,
 ) -> dict:
-    """document: read_document's snapshot (None: the cell reads the document itself; a policy that
-    observes every token as it is read, H2O's, always does)."""
+    """document: read_document's snapshot (None: the cell reads the document itself; a chunked
+    policy, which evicts as it reads, always does). memo: a dict shared by the cells of one
+    conversation and this cell's key in it (its policy and mode, not its budget): the first
+    eviction's scores are computed once (FirstEviction)."""
+    if memo is not None and not policy.scores_depend_on_budget() and not policy.continuous:
+        policy = FirstEviction(policy, *memo)
     n_ctx = conversation_cap(model, sample, policy)
     settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads)
     conv = Session(model, policy, settings).conversation(evict=evict)
@@ -81,6 +105,7 @@ def run_conversation(
             "max_cells": cache.max_cells,
             "evicted": cache.evicted,
             "workspace_forward_passes": conv.runner.workspace_forward_passes,
+            "scores_reused": bool(getattr(policy, "reused", False)),
             "time": {
                 "cell_s": time.perf_counter() - t0,
                 "prefill_s": t.prefill_s - t.evict_s,
