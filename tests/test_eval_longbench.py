@@ -75,3 +75,25 @@ def test_long_prompts_keep_their_first_and_last_halves(tiny_model):
     text = tiny_model.detokenize(prompt.tokens).strip()
     assert text.startswith("HEAD") and text.endswith("TAIL") and "filler" in text
     assert len(tokenize(tiny_model, sample).tokens) > 1000  # the model's context (4096) holds it whole
+
+
+def test_evidence_follows_its_tokens_when_the_middle_is_cut(tiny_model):
+    """A generated prompt longer than the model's context loses its middle (8K prompts on SmolLM2):
+    evidence before the cut stays where it is, evidence after it moves up, evidence in it is gone."""
+    from kvlite.eval.evaluate import tokenize
+    from kvlite.eval.tasks import Sample
+
+    words = [f"w{i}" for i in range(300)]
+    text = " ".join(words)
+    spans = [(text.index(w), text.index(w) + len(w)) for w in ("w10", "w150", "w290")]
+    sample = Sample("t", 0, text, ["x"], "contains_all", 8, chat=False, evidence=spans)
+    whole = tokenize(tiny_model, sample, max_length=10_000)
+    cut = tokenize(tiny_model, sample, max_length=200)
+    assert len(cut.tokens) == 200 and len(whole.tokens) > 300
+    near = lambda ps, lo, hi: [p for p in ps if lo <= p < hi]  # noqa: E731
+    head = near(whole.evidence, 0, 100)
+    tail = near(whole.evidence, len(whole.tokens) - 100, len(whole.tokens))
+    assert head and tail and len(head) + len(tail) < len(whole.evidence)  # w150's tokens sit in the cut
+    assert cut.evidence == head + [p - (len(whole.tokens) - 200) for p in tail]
+    for p_whole, p_cut in zip(tail, cut.evidence[len(head) :]):
+        assert whole.tokens[p_whole] == cut.tokens[p_cut]  # the same tokens, moved

@@ -61,8 +61,10 @@ def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None, ma
     question = len(tokens) - len(encode(text[: offset + sample.question[0]])) if sample.question else None
     if max_length and len(tokens) > max_length:
         half = max_length // 2
+        cut = len(tokens) - 2 * half
+        # evidence in the dropped middle is not in the prompt; what follows it moves up by the cut
+        evidence = [p for p in evidence if p < half] + [p - cut for p in evidence if p >= half + cut]
         tokens = tokens[:half] + tokens[-half:]
-        evidence = []  # positions moved; truncation is for LongBench files, which carry no evidence
         question = question if question is not None and question <= half else None
     return Prompt(sample, tokens, sorted(set(evidence)), max_new, question)
 
