@@ -212,11 +212,7 @@ class Conversation:
 
     def pending_tokens(self, user: str | Sequence[dict]) -> int:
         """How many tokens a turn with this message would read into the cache."""
-        return len(self.turn_tokens(user)) - len(self.primed)
-
-    def turn_tokens(self, user: str | Sequence[dict]) -> list[int]:
-        """The tokens a turn with this message would read into the cache (the primed ones too)."""
-        return self._render(user)[2]
+        return len(self._render(user)[2]) - len(self.primed)
 
     def _render(self, user: str | Sequence[dict]) -> tuple[list[dict], str, list[int], bool]:
         """The conversation with the turn's messages appended, its rendered text, the tokens the

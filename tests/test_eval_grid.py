@@ -304,11 +304,11 @@ def test_a_conversation_from_shared_work_equals_one_that_does_it_all(tiny_model,
         one, other = (make_policy(name, budget=budget, **params) for _ in range(2))
         plain = multiturn.run_conversation(tiny_model, sample, one, evict)
         shared = multiturn.run_conversation(tiny_model, sample, other, evict, document=document, memo=(memo, spec))
-        for key in ("outputs", "turn_scores", "turns", "evicted", "max_cells", "cap"):
+        for key in ("outputs", "turn_scores", "turns", "evicted", "max_cells", "cap", "workspace_forward_passes"):
             assert plain[key] == shared[key], (budget, key)
         assert shared["time"]["prefill_s"] < plain["time"]["prefill_s"]
         assert shared["scores_reused"] == (budget == 48)
-    assert len(memo) == 2  # the scores, and the cells computing them held
+    assert len(memo) == 2  # the scores, and what computing them cost
 
 
 def test_gzipped_records_are_read_and_not_redone(tiny_paths, tmp_path, uninterrupted):

@@ -51,15 +51,16 @@ class FirstEviction(ScoreMemo):
     """Shares the scores of a conversation's first eviction between cells of other budgets: until a
     cell first evicts, its cache holds what every cell's holds (the same turns, greedy replies), so a
     policy whose scores do not depend on the budget scores it the same. Later evictions differ. A
-    cell that reuses the scores is charged the cells their computation held (its workspace), so its
-    max_cells is what computing them would have reached."""
+    cell that reuses the scores is charged what computing them cost (the cells its workspace held,
+    its workspace forward passes), so its record reads as a fresh run's."""
 
     def scores(self, obs: Observation) -> np.ndarray:
         if obs.cache.evicted:
             return self.policy.scores(obs)
         scores = super().scores(obs)
-        peak = self.memo.setdefault(self.key + " max_cells", obs.cache.max_cells)
-        obs.cache.max_cells = max(obs.cache.max_cells, peak)
+        cost = self.memo.setdefault(self.key + " cost", (obs.cache.max_cells, obs.workspace_forward_passes))
+        obs.cache.max_cells = max(obs.cache.max_cells, cost[0])
+        obs.workspace_forward_passes = cost[1]
         return scores
 
 
