@@ -429,10 +429,14 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   at 128 and 0.00 at 256: a tie. SnapKV (0.11, 0.44) and TOVA (0.17, 0.36) recover part of it at
   256 cells; both lookaheads are ahead of SnapKV by 0.47-0.78 and of StreamingLLM by 0.86-0.92,
   intervals far from zero.
-- **SmolLM2 at 8K** (49 of 72 samples so far; B1 = 512 is now well under the prompt): EchoKV 0.59
-  and 0.73, LAQ 0.22 and 0.65, the full cache 0.57; every prompt-window and recency policy 0.00.
-  EchoKV - LAQ +0.37 [0.22, 0.51] at 128 (EchoKV ahead), +0.08 [-0.04, 0.20] at 256 (not
-  separated). Both models at 2K: still to run.
+- **SmolLM2 at 8K** (72 samples; B1 = 512 is now well under the prompt): EchoKV 0.47 and 0.57,
+  LAQ 0.19 and 0.50, the full cache 0.43; every prompt-window and recency policy 0.00-0.01.
+  EchoKV - LAQ +0.28 [0.18, 0.38] at 128 (EchoKV ahead), +0.07 [-0.01, 0.15] at 256 (not
+  separated); both ahead of SnapKV and StreamingLLM by 0.19-0.57, intervals far from zero. At 256
+  cells EchoKV answers more than the full cache (+0.14 [0.03, 0.25]): on this small model, 8K
+  tokens of news distract more than 256 well-chosen cells do. Prompts of 8K lose ~100 middle tokens
+  to SmolLM2's 8K training context (as LongBench's pred.py cuts); no sample's evidence sat there.
+  Both models at 2K: still to run.
 - **Counter-causal.** `cc`, `cc-fast` and kvlite's `cc-blind` score 0 at 128 and 256 cells of a 4K
   prompt, with a KL to the full cache around 4 nats (StreamingLLM's is about 1.2): the kept sets
   hold almost none of the evidence (1-10%). Replacing the token's own input by a neutral embedding
