@@ -439,7 +439,11 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
 - **SmolLM2 at 2K** (72 samples): EchoKV 0.83 and 0.86, LAQ 0.75 and 0.82, the full cache 0.81;
   StreamingLLM 0.15 and 0.18, SnapKV 0.07 and 0.14, H2O 0.10 and 0.17, TOVA 0.00 and 0.11.
   EchoKV - LAQ +0.08 [0.01, 0.17] at 128 and +0.04 [0.00, 0.10] at 256 (EchoKV ahead by a little);
-  both ahead of SnapKV and StreamingLLM by 0.60-0.76. Qwen at 2K: still to run.
+  both ahead of SnapKV and StreamingLLM by 0.60-0.76.
+- **Qwen at 2K** (36 samples): EchoKV 0.92 and 0.94, LAQ 0.94 and 0.94, the full cache 0.94;
+  SnapKV 0.25 and 0.64, TOVA 0.36 and 0.56, StreamingLLM 0.11 and 0.14. EchoKV - LAQ -0.03
+  [-0.08, 0.00] at 128 and 0.00 at 256: a tie; both ahead of SnapKV (+0.31 to +0.69) and
+  StreamingLLM (+0.81), intervals far from zero.
 - **Counter-causal.** `cc`, `cc-fast` and kvlite's `cc-blind` score 0 at 128 and 256 cells of a 4K
   prompt, with a KL to the full cache around 4 nats (StreamingLLM's is about 1.2): the kept sets
   hold almost none of the evidence (1-10%). Replacing the token's own input by a neutral embedding
