@@ -19,15 +19,11 @@ import argparse
 import json
 import pathlib
 import sys
-from collections import defaultdict
-
-import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlite.eval import report, stats, tune  # noqa: E402
-from kvlite.eval.grid import parse_spec  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
 
 POLICIES = ["snapkv", "laq", "echokv", "kvzip", "hybrid"]  # as scripts/results.py's CHAT
@@ -35,20 +31,9 @@ BUDGETS = [128, 256]
 
 
 def mode_difference(records: list[dict]) -> stats.Interval:
-    """lazy - eager over every chat policy and budget, averaged per sample and then bootstrapped
-    over samples (the cells of one sample are not independent of each other)."""
-    by: dict = {}
-    for r in tune.tune_only(records):
-        policy, params = parse_spec(r["policy"])
-        if "score" in r and r.get("budget") in BUDGETS and "evict" in params:
-            by[(report.sample_key(r), policy, r["budget"], params["evict"])] = r["score"]
-    cells = sorted({k[:-1] for k in by if k[-1] == "lazy"} & {k[:-1] for k in by if k[-1] == "eager"})
-    per_sample: dict = defaultdict(lambda: ([], []))
-    for c in cells:
-        per_sample[c[0]][0].append(by[(*c, "lazy")])
-        per_sample[c[0]][1].append(by[(*c, "eager")])
-    lazy, eager = zip(*[(np.mean(a), np.mean(b)) for a, b in per_sample.values()])
-    return stats.paired_difference(lazy, eager)
+    """lazy - eager over every chat policy and budget, per conversation (report.mode_difference), on
+    tune records alone."""
+    return report.mode_difference(tune.tune_only(records), tuple(BUDGETS))
 
 
 def main() -> None:

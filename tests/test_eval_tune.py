@@ -54,22 +54,30 @@ def test_joint_grid_spells_every_combination():
 
 
 def test_chat_mode_difference_is_per_conversation_and_tune_only():
-    """scripts/pick_chat_default.py: lazy - eager averaged over policies and budgets within each
-    conversation, so the bootstrap's unit is the conversation (n = 2 here, not 8 cells)."""
+    """report.mode_difference: lazy - eager averaged over policies and budgets within each
+    conversation, so the bootstrap's unit is the conversation (n = 2 here, not 8 cells);
+    scripts/pick_chat_default.py reads it on the tune split alone."""
     import sys
     from pathlib import Path
+
+    from kvlite.eval import report
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
     from pick_chat_default import mode_difference
 
-    records = []
+    def chat(policy, mode, sample, score, budget, **kw):
+        return {**rec(f"{policy}(evict={mode})", sample, score, budget, task="chat/1024", **kw), "evict": mode}
+
+    records = [{**rec("full", 0, 1.0, None, task="chat/1024"), "evict": "eager"}]  # no budget: not a pair
     for policy in ("snapkv", "laq"):
         for budget in (128, 256):
-            records += [rec(f"{policy}(evict=lazy)", 0, 1.0, budget, task="chat/1024"),
-                        rec(f"{policy}(evict=eager)", 0, 0.0, budget, task="chat/1024"),
-                        rec(f"{policy}(evict=lazy)", 1, 0.5, budget, task="chat/1024"),
-                        rec(f"{policy}(evict=eager)", 1, 0.5, budget, task="chat/1024")]  # fmt: skip
+            records += [chat(policy, "lazy", 0, 1.0, budget), chat(policy, "eager", 0, 0.0, budget),
+                        chat(policy, "lazy", 1, 0.5, budget), chat(policy, "eager", 1, 0.5, budget)]  # fmt: skip
     iv = mode_difference(records)
     assert iv.n == 2 and iv.mean == pytest.approx(0.5)  # conversation 0: +1, conversation 1: 0
+    test = [{**r, "split": "test", "task": "test:chat/1024"} for r in records]
+    assert report.mode_difference(test) == iv  # the same statistic, reported on the test split
     with pytest.raises(KvliteError, match="tune split alone"):
-        mode_difference([*records, rec("laq(evict=lazy)", 2, 1.0, split="test", task="test:chat/1024")])
+        mode_difference([*records, *test])
+    with pytest.raises(KvliteError, match="no cell ran in both chat modes"):
+        report.mode_difference([r for r in records if r["evict"] == "eager"])

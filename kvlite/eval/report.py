@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..errors import KvliteError
 from . import stats
 
 FIDELITY = ("exact_match", "token_agreement", "kl", "top1", "evidence_kept")
@@ -139,6 +140,25 @@ def compare(
     for g, keys in groups.items():
         out[g] = stats.paired_difference([by[a][k]["score"] for k in keys], [by[b][k]["score"] for k in keys])
     return out
+
+
+def mode_difference(records: list[dict], budgets: tuple = (128, 256)) -> stats.Interval:
+    """Chat: lazy - eager over every policy and budget both modes ran, averaged within each
+    conversation and then bootstrapped over conversations (the cells of one conversation are not
+    independent of each other). Pass one model's records; the split is the caller's choice."""
+    by: dict = {}
+    for r in records:
+        if "score" in r and r.get("budget") in budgets and r.get("evict") in ("eager", "lazy"):
+            by[(sample_key(r), r["policy"].split("(")[0], r["budget"], r["evict"])] = r["score"]
+    cells = sorted({k[:-1] for k in by if k[-1] == "lazy"} & {k[:-1] for k in by if k[-1] == "eager"})
+    if not cells:
+        raise KvliteError("no cell ran in both chat modes")
+    per_sample: dict = defaultdict(lambda: ([], []))
+    for c in cells:
+        per_sample[c[0]][0].append(by[(*c, "lazy")])
+        per_sample[c[0]][1].append(by[(*c, "eager")])
+    lazy, eager = zip(*[(np.mean(a), np.mean(b)) for a, b in per_sample.values()])
+    return stats.paired_difference(lazy, eager)
 
 
 def compare_markdown(
