@@ -299,9 +299,10 @@ def chat_table(records: list[dict]) -> str:
 def chat_claims(records: list[dict]) -> str:
     """The differences kvlite chat's defaults and "What to use" rest on, per model and split: the
     mode rule's lazy - eager (scripts/pick_chat_default.py, there on tune alone) and paired pairs."""
+    group = lambda r: f"{r['model']} · {r.get('split', 'tune')}"  # noqa: E731
     groups: dict = defaultdict(list)
     for r in records:
-        groups[f"{r['model']} · {r.get('split', 'tune')}"].append(r)
+        groups[group(r)].append(r)
     lines = ["| samples | lazy - eager, per conversation over all policies and budgets [95% CI] | n |", "|---|---|---|"]
     for g, rs in sorted(groups.items()):
         try:
@@ -313,29 +314,28 @@ def chat_claims(records: list[dict]) -> str:
     eager, lazy = ({p: f"{p}(evict={m})" for p in CHAT} for m in ("eager", "lazy"))
     pairs = [(eager["hybrid"], eager["echokv"]), (eager["kvzip"], eager["echokv"]), (eager["hybrid"], eager["kvzip"]),
              (lazy["laq"], lazy["echokv"]), (lazy["laq"], lazy["snapkv"]), (lazy["laq"], eager["laq"])]  # fmt: skip
-    group = lambda r: f"{r['model']} · {r.get('split', 'tune')}"  # noqa: E731
     return "\n".join(lines) + "\n\n" + report.compare_markdown(records, pairs, BUDGETS, group)
 
 
 KVZIP = "kvzip(C=512,pair_vote=selective,kernel=7)"  # the default, spelled out (docs/policies.md)
 KVZIP_VOTES = "kvzip(C=512,pair_vote=votes,kernel=0)"  # KVzip's own threshold, read at token level
+KVZIP_VOTES_CHAT = "kvzip(evict=eager,pair_vote=votes,kernel=0)"  # beside the chat grid's kvzip(evict=eager)
 
 
-def kvzip_table(records: list[dict], chat: list[dict], apart: list[dict]) -> str:
-    """KVzip's default pair vote against `votes`: single-turn (chosen on tune, reported on test)
-    and eager chat on the test conversations (apart: the votes cells, run apart from the chat grid)."""
-    group = lambda r: f"{r['model']} · {r.get('split', 'tune')} · single-turn"  # noqa: E731
-    out = report.compare_markdown(records, [(KVZIP, KVZIP_VOTES)], BUDGETS, group)
-    votes = "kvzip(evict=eager,pair_vote=votes,kernel=0)"
-    eager = [r for r in [*chat, *apart] if r["policy"] in ("kvzip(evict=eager)", votes) and r.get("split") == "test"]
-    group = lambda r: f"{r['model']} · {r.get('split', 'tune')} · chat, eager"  # noqa: E731
-    rows = report.compare_markdown(eager, [("kvzip(evict=eager)", votes)], BUDGETS, group)
+def kvzip_table(kvzip: list[dict], chat: list[dict]) -> str:
+    """KVzip's default pair vote against `votes`: single-turn (chosen on tune, reported on test) and
+    eager chat on the test conversations, whose votes cells ran apart from the chat grid (kvzip: the
+    records of results-runs/kvzip-*, that run's included)."""
+    kind = lambda r: "chat, eager" if r["policy"].startswith("kvzip(evict=") else "single-turn"  # noqa: E731
+    group = lambda r: f"{r['model']} · {r.get('split', 'tune')} · {kind(r)}"  # noqa: E731
+    pairs = [(KVZIP, KVZIP_VOTES), ("kvzip(evict=eager)", KVZIP_VOTES_CHAT)]
+    out = report.compare_markdown([*kvzip, *chat], pairs, BUDGETS, group)
+    # The run apart's full-cache cells against the grid's (single-turn samples never share a key).
     grid = {report.sample_key(r): r for r in chat if r["policy"] == "full"}
-    pairs = [(r, grid[report.sample_key(r)]) for r in apart if r["policy"] == "full" and report.sample_key(r) in grid]
-    same = sum(a["outputs"] == b["outputs"] for a, b in pairs), sum(a["score"] == b["score"] for a, b in pairs)
-    note = (f"\n\nThe full-cache replies of the run apart match the chat grid's in {same[0]} of {len(pairs)} "
-            f"conversations ({same[1]} of {len(pairs)} scores).\n")  # fmt: skip
-    return out + "\n" + "\n".join(rows.splitlines()[2:]) + note
+    apart = [(r, grid[report.sample_key(r)]) for r in kvzip if r["policy"] == "full" and report.sample_key(r) in grid]
+    same = sum(a["outputs"] == b["outputs"] for a, b in apart), sum(a["score"] == b["score"] for a, b in apart)
+    return out + (f"\n\nThe full-cache replies of the run apart match the chat grid's in {same[0]} of {len(apart)} "
+                  f"conversations ({same[1]} of {len(apart)} scores).\n")  # fmt: skip
 
 
 def main() -> None:
@@ -427,7 +427,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "in their own grid (`results-runs/kvzip-votes-chat-test`), whose document is read in another batch "
         "split (a grid feeds the longest tail any of its policies observes), so llama.cpp sums in another "
         "order and some greedy replies diverge: those pairs carry that run-to-run noise too.\n",
-        kvzip_table(records_of(out, "kvzip-"), chat, records_of(out, "kvzip-votes")),
+        kvzip_table(records_of(out, "kvzip-"), chat),
         "\n## Wall time\n",
         "| stage | seconds |\n|---|---|\n" + "\n".join(f"| {k} | {v:.0f} |" for k, v in walls.items()),
         "\n## Plots\n",
