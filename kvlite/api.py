@@ -12,6 +12,8 @@ import dataclasses
 import pathlib
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from .cache import Snapshot
 from .engine import Model
 from .engine.model import drop_prefix
@@ -275,3 +277,15 @@ class Conversation:
             f"decode {t['decode_tokens']} tok in {t['decode_s']:.2f} s, eviction {t['evict_s'] * 1000:.1f} ms",
         ]
         return "\n".join(lines)
+
+    def kept_text(self) -> str:
+        """The text of the cells the cache holds, in position order, with " … " where cells were
+        evicted (so two kept pieces never read as one)."""
+        cache = self.runner.cache
+        kept = cache.positions()
+        starts = [0, *(np.flatnonzero(np.diff(kept) > 1) + 1).tolist()]
+        runs = [kept[a:b] for a, b in zip(starts, [*starts[1:], len(kept)])] if len(kept) else []
+        text = " … ".join(self.runner.model.detokenize(cache.tokens_at(run)) for run in runs)
+        head = " … " if len(kept) and kept[0] > 0 else ""
+        tail = " … " if len(kept) and kept[-1] < cache.n_pos - 1 else ""
+        return head + text + tail

@@ -13,7 +13,7 @@ from .errors import KvliteError
 from .policies import Policy
 from .runner import RunSettings
 
-HELP = "/reset clears the conversation, /stats shows the cache, /quit leaves (or Ctrl-D)"
+HELP = "/reset clears the conversation, /stats shows the cache, /cache the text it kept, /quit leaves (or Ctrl-D)"
 
 
 @contextlib.contextmanager
@@ -65,6 +65,9 @@ def run_chat(
             continue
         if text == "/stats":
             print(conv.stats(), file=sys.stderr)
+            continue
+        if text == "/cache":
+            print(f"[cache] {conv.kept_text()}", file=sys.stderr)
             continue
         if text.startswith("/"):
             print(f"unknown command {text}: {HELP}", file=sys.stderr)

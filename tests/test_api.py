@@ -25,6 +25,7 @@ QUESTION = "What is the locker code of Orla Bren?"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,answers", [("echokv", True), ("laq", True), ("streaming", False)])
+@pytest.mark.model_answer
 def test_needle_at_budget_128(policy, answers):
     """A code stated once at 20% depth of ~1.2K tokens, the question at the end (SmolLM2 answers it
     with the full cache). Lookahead queries find it at budget 128; a recency window cannot."""

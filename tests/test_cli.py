@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from conftest import run_cli
@@ -60,6 +62,15 @@ def test_generate_json_tiny_streaming(tiny_paths):
     assert set(out["timings"]) >= {"prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"}
 
 
+def test_default_threads_are_the_cores_kvlite_may_run_on():
+    """taskset or a container's cpuset limits the cores: -t's default follows (os.cpu_count would
+    put 8 threads on one core)."""
+    code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+    code += "from kvlite.engine.model import default_threads; print(default_threads())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
+
+
 def test_generate_reads_file_and_stdin(tiny_paths, tmp_path):
     f = tmp_path / "prompt.txt"
     f.write_text("hello world")
@@ -70,6 +81,7 @@ def test_generate_reads_file_and_stdin(tiny_paths, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.model_answer
 def test_generate_default_model_answers():
     proc = run_cli("generate", "--chat", "-p", "What is the capital of France?", "-n", "24", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -79,6 +91,7 @@ def test_generate_default_model_answers():
 
 
 @pytest.mark.slow
+@pytest.mark.model_answer
 def test_generate_default_model_streams_text():
     proc = run_cli("generate", "-p", "The capital of France is", "-n", "8")
     assert proc.returncode == 0, proc.stderr
@@ -87,6 +100,7 @@ def test_generate_default_model_streams_text():
 
 
 @pytest.mark.slow
+@pytest.mark.model_answer
 def test_chat_scripted_stdin_default_model():
     script = "What is the capital of France?\n/stats\n/reset\nName a color.\n"
     proc = run_cli("chat", "-n", "24", stdin=script)

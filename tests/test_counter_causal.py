@@ -218,6 +218,7 @@ def test_bad_inputs(tiny_paths):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["fast", "full"])
+@pytest.mark.model_answer
 def test_keep_set_overlap_on_smollm2(smol_path, variant):
     model = Model(smol_path)
     ref = ReferenceModel(smol_path, dtype=torch.float32)

@@ -141,6 +141,7 @@ def test_lazy_mode_keeps_whole_turns_under_the_cap_then_evicts(tiny_paths):
 
 
 @pytest.mark.slow
+@pytest.mark.model_answer
 def test_kvzip_keeps_a_stated_once_code_before_the_question(smol_model):
     """The user's case: a document in a turn of its own, the question a turn later. At budget 128
     of ~1200 cells KVzip (kvlite's default pair vote and pooling, chosen on the tune split) keeps

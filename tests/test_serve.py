@@ -100,6 +100,7 @@ def test_health_models_and_metrics(live, client):
     assert 'kvlite_slot_resident_cells{slot="1"}' in samples and 'kvlite_slot_budget_cells{slot="0"}' in samples
 
 
+@pytest.mark.model_answer
 def test_chat(client):
     r = client.chat.completions.create(model="any", messages=FRANCE, max_tokens=16)
     assert "Paris" in r.choices[0].message.content
@@ -110,6 +111,7 @@ def test_chat(client):
     assert k["timings"]["decode_tokens"] == r.usage.completion_tokens
 
 
+@pytest.mark.model_answer
 def test_chat_streaming(client):
     chunks = list(client.chat.completions.create(model="any", messages=FRANCE, max_tokens=16, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -119,6 +121,7 @@ def test_chat_streaming(client):
     assert chunks[-1].model_extra["kvlite"]["timings"]["decode_tokens"] == chunks[-1].usage.completion_tokens
 
 
+@pytest.mark.model_answer
 def test_completions_and_tokenize(live, client, smol_model):
     r = client.completions.create(model="any", prompt="The capital of France is", max_tokens=6, temperature=0)
     assert r.choices[0].text.strip() and r.usage.prompt_tokens == len(smol_model.tokenize("The capital of France is"))
@@ -129,6 +132,7 @@ def test_completions_and_tokenize(live, client, smol_model):
     assert live.post("/detokenize", {"tokens": tokens}).json()["content"] == "Hello <|im_end|>"
 
 
+@pytest.mark.model_answer
 def test_stop_sequences(client):
     r = client.chat.completions.create(model="any", messages=FRANCE, max_tokens=16, stop=[" of"])
     assert r.choices[0].message.content == "The capital" and r.choices[0].finish_reason == "stop"
@@ -201,6 +205,7 @@ def test_keys_and_limits(live):
     assert httpx.get(live.url + "/v1/nothing", headers=AUTH).json()["error"]["code"] == 404
 
 
+@pytest.mark.model_answer
 def test_conversation_prefills_only_the_new_turn_and_keeps_a_fact(live, client):
     """Three turns under echokv at budget 256: the code is stated once, in turn 1's document, and
     asked again in turn 3 after an unrelated turn 2. Each later turn prefills only itself, and the
@@ -230,6 +235,7 @@ def test_conversation_prefills_only_the_new_turn_and_keeps_a_fact(live, client):
     assert consistent(slot.conversation)
 
 
+@pytest.mark.model_answer
 def test_disconnect_mid_stream_stops_generation_and_keeps_the_slot_consistent(live, client):
     extra = {"conversation_id": "cancel"}
     body = {"messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}],
@@ -249,6 +255,7 @@ def test_disconnect_mid_stream_stops_generation_and_keeps_the_slot_consistent(li
     assert "kvlite_requests_waiting 0" in text
 
 
+@pytest.mark.model_answer
 def test_disconnect_stops_the_generation_early(live):
     body = {"messages": [{"role": "user", "content": "Write a long story about a dragon and a knight."}],
             "max_tokens": 400, "stream": True, "conversation_id": "early"}  # fmt: skip
@@ -292,6 +299,7 @@ def test_slots_are_reused_by_prefix_and_evicted_lru(smol_model):
         live.stop()
 
 
+@pytest.mark.model_answer
 def test_a_slot_saved_to_a_file_is_continued_by_another_server(smol_model, tmp_path):
     """The compressed cache of turn 1 (echokv, budget 256) saved, restored into a fresh server, and
     continued: turn 2 prefills only itself and still finds the code."""
@@ -353,6 +361,7 @@ def test_a_policy_the_chat_mode_cannot_run_is_a_400(smol_model):
         live.stop()
 
 
+@pytest.mark.model_answer
 def test_full_queue_answers_503_with_retry_after(smol_model):
     live = Live(Server(ServeConfig(slots=1, queue=0, n_predict=48), model=smol_model))
     try:

@@ -52,7 +52,9 @@ def logged_buffers(kind: str) -> dict[str, float]:
 
 
 def default_threads() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
+    """-t's default: the cores this process may run on (taskset, a container's cpuset), at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, 8))
 
 
 def offloaded_layers(n_gpu_layers: int | None, n_layer: int) -> int:
