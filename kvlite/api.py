@@ -283,8 +283,7 @@ class Conversation:
         evicted (so two kept pieces never read as one)."""
         cache = self.runner.cache
         kept = cache.positions()
-        starts = [0, *(np.flatnonzero(np.diff(kept) > 1) + 1).tolist()]
-        runs = [kept[a:b] for a, b in zip(starts, [*starts[1:], len(kept)])] if len(kept) else []
+        runs = np.split(kept, np.flatnonzero(np.diff(kept) > 1) + 1)  # contiguous positions
         text = " … ".join(self.runner.model.detokenize(cache.tokens_at(run)) for run in runs)
         head = " … " if len(kept) and kept[0] > 0 else ""
         tail = " … " if len(kept) and kept[-1] < cache.n_pos - 1 else ""

@@ -15,7 +15,7 @@
 # off: ggml's plain C path). THREADS pins the run to that many cores with taskset; kvlite's
 # default -t is the cores it may run on. Default: native avx2 generic, each at 1 and 2 threads,
 # running the model-answer tests (-m model_answer); `-- ` with nothing after runs the whole suite.
-# Builds are cached in build/cpu-variants/ (about 2 minutes each on 2 cores the first time).
+# Builds are cached in build/cpu-variants/ (under a minute each on 2 cores the first time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -46,7 +46,6 @@ build_variant() {  # prints the path of the variant's libggml-cpu
   local name=$1 src=$out/llama_cpp_python-$version bdir=$out/$1
   if [ ! -f "$bdir/$lib" ]; then
     if [ ! -d "$src" ]; then
-      mkdir -p "$out"
       "$venv/bin/pip" download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$out" >&2
       tar xzf "$out/llama_cpp_python-$version.tar.gz" -C "$out"
     fi
