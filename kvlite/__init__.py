@@ -4,10 +4,8 @@ The names below are imported on first use (PEP 562), so `kvlite` the command sta
 loading numpy or llama.cpp until it needs them.
 """
 
-from __future__ import annotations
-
-import os as _os
-import signal as _signal
+import _signal  # the C module: `signal` imports enum first, ~10 ms in which a Ctrl-C printed a traceback
+import os as _os  # already imported by site: free
 import sys as _sys
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from .engine import LIVE, WORKSPACE, Context, kvstate
 from .errors import KvliteError
+from .models import ModelInfo
 
 
 def runs(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -43,26 +44,35 @@ class CachedKV:
     """The live sequence's keys and values as llama.cpp cached them (post-RoPE keys), read from its
     state export one layer at a time (kvstate.StateFile), so an eviction holds one layer, not the
     cache twice. positions: [n] ascending; layer(il): keys [n_head_kv, n, head_dim] in that order, as
-    attention reads them; k_rows/v_rows(il): the rows as stored."""
+    attention reads them; k_rows/v_rows(il): the rows as stored. layers: the model's layers whose
+    cache holds every cell (all but sliding-window ones, ModelInfo.full_layers), the ones readable."""
 
-    def __init__(self, sf: kvstate.StateFile, n_head_kv: int):
-        self.file, self.n_head_kv = sf, n_head_kv
+    def __init__(self, sf: kvstate.StateFile, info: ModelInfo):
+        self.file, self.n_head_kv = sf, info.n_head_kv
         self.order = sf.by_position
         self.positions = sf.pos[self.order]
-        self.n_layer = sf.n_layer
+        self.layers = info.full_layers
+        if sf.n_layer != len(self.layers):
+            raise KvliteError(f"the state export holds {sf.n_layer} full layers, the model {len(self.layers)}")
+        self._index = {il: i for i, il in enumerate(self.layers)}  # model layer -> the export's
+
+    def _at(self, il: int) -> int:
+        if il not in self._index:
+            raise KvliteError(f"layer {il} slides over a window: its cache holds only the last cells")
+        return self._index[il]
 
     def layer(self, il: int, cells: np.ndarray | None = None) -> np.ndarray:
         """Layer il's keys [n_head_kv, n, head_dim]; cells: only these (indices into `positions`)."""
         order = self.order if cells is None else self.order[cells]
-        rows = self.file.k(il, order)  # [n, n_head_kv * head_dim]
+        rows = self.file.k(self._at(il), order)  # [n, n_head_kv * head_dim]
         return np.ascontiguousarray(rows.reshape(len(order), self.n_head_kv, -1).transpose(1, 0, 2))
 
     def k_rows(self, il: int) -> np.ndarray:
         """Layer il's K rows [n, n_head_kv * head_dim] as stored, in the order of `positions`."""
-        return self.file.k(il, self.order)
+        return self.file.k(self._at(il), self.order)
 
     def v_rows(self, il: int) -> np.ndarray:
-        return self.file.v(il, self.order)
+        return self.file.v(self._at(il), self.order)
 
     def close(self) -> None:
         self.file.close()
@@ -128,7 +138,7 @@ class KVCache:
 
     def cached_kv(self) -> CachedKV:
         """The live sequence's cached K/V, to be read a layer at a time (closed with it, or by GC)."""
-        return CachedKV(self._live_file("reading the live cache"), self.ctx.model.info.n_head_kv)
+        return CachedKV(self._live_file("reading the live cache"), self.ctx.model.info)
 
     def _live_file(self, purpose: str) -> kvstate.StateFile:
         if self.workspace_active:
@@ -203,13 +213,13 @@ class KVCache:
         Exports the live sequence, clears the pool and loads it back. Cached values are copied
         bit for bit, so only the speed changes."""
         with self._live_file("compacting") as sf:  # the file, not state_get: see kvstate.StateFile
-            ordered = kvstate.build(kvstate.SeqState(LIVE, [sf.stream(sf.by_position)]))
+            ordered = kvstate.build(sf.state(LIVE, by_position=True))
             self.ctx.clear()
             try:
                 self.ctx.state_set(ordered, LIVE)
             except KvliteError:
                 self.ctx.clear()  # put back what was there: the cache stays consistent
-                self.ctx.state_set(kvstate.build(kvstate.SeqState(LIVE, [sf.stream()])), LIVE)
+                self.ctx.state_set(kvstate.build(sf.state(LIVE)), LIVE)
                 raise
 
     # -- workspace view (sequence 1) --------------------------------------------------------------

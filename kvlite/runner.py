@@ -133,6 +133,7 @@ class Runner:
         self.model = model
         self.policy = policy or FullKV()
         self.policy.validate()
+        self.policy.check_model(model.info)
         self.settings = settings
         self.chunk = settings.chunk
         self.capture = self._capture_for(self.policy)
@@ -163,17 +164,18 @@ class Runner:
     def _capture_for(self, policy: Policy) -> Capture | None:
         """Ask llama.cpp only for what the policy observes."""
         n_layer = self.model.info.n_layer
+        layers = self.model.info.full_layers  # scores read the layers that hold every cell
         wants_queries = policy.observed_tokens() > 0 or policy.lookahead_cells() > 0
         if not wants_queries and not policy.needs_hidden:
             return None
-        capture = Capture()
+        capture = Capture(self.model.info)
         if policy.needs_hidden:
             capture.request("hidden", [n_layer - 2])  # always on: every token's row is kept
         if wants_queries:
             if policy.needs_hidden:
                 raise KvliteError("a policy observing both queries and hidden states is not supported yet")
             for kind in policy.captures:
-                capture.request(kind, range(n_layer))
+                capture.request(kind, layers)
             capture.enabled = False  # switched on for the tokens observed
         return capture
 
@@ -305,11 +307,11 @@ class Runner:
         """Move the captured queries of the last tokens out of the capture (the policy's window of
         them, older ones included when the newest chunk is shorter than the window)."""
         data = self.capture.data
-        n_layer = self.model.info.n_layer
+        layers = self.model.info.full_layers
         keep = max(self.policy.observed_tokens(), 1)
         for kind in ("q", "q_pre"):
-            if (kind, 0) in data:
-                rows = np.stack([np.concatenate(data[(kind, il)]) for il in range(n_layer)])
+            if (kind, layers[0]) in data:
+                rows = np.stack([np.concatenate(data[(kind, il)]) for il in layers])
                 if kind in self.observed:
                     rows = np.concatenate([self.observed[kind], rows], axis=1)
                 self.observed[kind] = rows[:, -keep:]

@@ -24,6 +24,10 @@ struct kvl_ctx * kvl_init(int n_threads, const char * device) {
     return c;
 }
 
+void kvl_set_threads(struct kvl_ctx * c, int n_threads) {
+    if (c) ggml_backend_cpu_set_n_threads(c->backends[c->n_backends - 1], n_threads > 0 ? n_threads : 1);
+}
+
 const char * kvl_device(const struct kvl_ctx * c) { return ggml_backend_name(c->backends[0]); }
 
 void kvl_free(struct kvl_ctx * c) {

@@ -19,7 +19,7 @@ static int kvl_cc_block(int n, int n_head) {
 }
 
 struct kvl_layer {
-    struct ggml_tensor *attn_norm, *wq, *bq, *wo, *ffn_norm, *w_gate, *w_up, *w_down;
+    struct ggml_tensor *attn_norm, *wq, *bq, *q_norm, *wo, *ffn_norm, *w_gate, *w_up, *w_down;
 };
 
 struct kvl_model {
@@ -30,6 +30,7 @@ struct kvl_model {
     size_t map_size;
     ggml_backend_buffer_t buffer;
     struct ggml_tensor *tok_embd, *out_norm, *output;
+    struct ggml_tensor * rope_freqs;  // Llama 3's frequency factors, as mapped from the file; NULL: none
     struct kvl_layer * layers;
 };
 
@@ -73,6 +74,7 @@ struct kvl_model * kvl_model_load(const char * path, const struct kvl_hparams * 
     struct kvl_model * m = calloc(1, sizeof(*m));
     if (!m) return NULL;
     m->hp = *hp;
+    m->hp.rope.freq_factors = NULL;  // the caller's array is not kept: the file's own tensor is used
     struct gguf_init_params gp = {true, &m->weights};
     m->gguf = gguf_init_from_file(path, gp);
     if (!m->gguf) goto fail;
@@ -99,13 +101,16 @@ struct kvl_model * kvl_model_load(const char * path, const struct kvl_hparams * 
     m->out_norm = kvl_weight(m, "output_norm.weight", 0, true, &ok);
     m->output = kvl_weight(m, "output.weight", 0, false, &ok);
     if (!m->output) m->output = m->tok_embd;  // tied embeddings
+    m->rope_freqs = kvl_weight(m, "rope_freqs.weight", 0, hp->rope.freq_factors != NULL, &ok);
+    if (m->rope_freqs && (m->rope_freqs->type != GGML_TYPE_F32 || m->rope_freqs->ne[0] != hp->rope.n_dims / 2)) ok = false;
     m->layers = calloc(hp->n_layer, sizeof(*m->layers));
     if (!m->layers) goto fail;
     for (int il = 0; il < hp->n_layer; il++) {
         struct kvl_layer * L = &m->layers[il];
         L->attn_norm = kvl_weight(m, "blk.%d.attn_norm.weight", il, true, &ok);
         L->wq = kvl_weight(m, "blk.%d.attn_q.weight", il, true, &ok);
-        L->bq = kvl_weight(m, "blk.%d.attn_q.bias", il, hp->arch == 1, &ok);
+        L->bq = kvl_weight(m, "blk.%d.attn_q.bias", il, false, &ok);  // optional on every architecture
+        L->q_norm = kvl_weight(m, "blk.%d.attn_q_norm.weight", il, hp->qk_norm, &ok);
         L->wo = kvl_weight(m, "blk.%d.attn_output.weight", il, true, &ok);
         L->ffn_norm = kvl_weight(m, "blk.%d.ffn_norm.weight", il, true, &ok);
         L->w_gate = kvl_weight(m, "blk.%d.ffn_gate.weight", il, true, &ok);
@@ -207,7 +212,9 @@ int kvl_cc_layer(struct kvl_ctx * c, const struct kvl_model * m, int il, int gap
         struct ggml_tensor * cur = ggml_mul(g, ggml_rms_norm(g, x, hp->rms_eps), L->attn_norm);
         struct ggml_tensor * q = ggml_mul_mat(g, L->wq, cur);
         if (L->bq) q = ggml_add(g, q, L->bq);
-        q = kvl_rope_ext(g, ggml_reshape_3d(g, q, D, hp->n_head, len), t_pos, &hp->rope);
+        q = ggml_reshape_3d(g, q, D, hp->n_head, len);
+        if (L->q_norm) q = ggml_mul(g, ggml_rms_norm(g, q, hp->rms_eps), L->q_norm);  // over each head's D
+        q = kvl_rope_ext(g, q, t_pos, m->rope_freqs, &hp->rope);
         struct ggml_tensor * att = NULL;  // [D * H, len]; rows with nothing to attend to get zeros
         if (z < len) {
             struct ggml_tensor * qs = ggml_view_3d(g, q, D, hp->n_head, len - z, q->nb[1], q->nb[2], z * q->nb[2]);
@@ -232,7 +239,8 @@ int kvl_cc_layer(struct kvl_ctx * c, const struct kvl_model * m, int il, int gap
     }
     ggml_backend_buffer_free(kv_buf);
     ggml_free(gkv);
-    const struct ggml_tensor * used[] = {L->attn_norm, L->wq, L->bq, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+    const struct ggml_tensor * used[] = {L->attn_norm, L->wq, L->bq, L->q_norm, L->wo, L->ffn_norm, L->w_gate, L->w_up,
+                                         L->w_down};
     kvl_release(m, used, (int) (sizeof(used) / sizeof(used[0])));
     return rc;
 }

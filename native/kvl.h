@@ -14,7 +14,7 @@
 #include "ggml.h"
 
 // Bumped whenever a signature or a layout changes; Python refuses a library with another value.
-#define KVL_ABI_VERSION 11
+#define KVL_ABI_VERSION 12
 
 enum kvl_status {
     KVL_OK = 0,
@@ -29,20 +29,22 @@ enum kvl_status {
 struct kvl_rope {
     int32_t mode, n_dims, n_ctx_orig;
     float freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow;
+    const float * freq_factors;  // [n_dims / 2], Llama 3's rope_freqs.weight; NULL: none
 };
 
 // The model facts a counter-causal pass needs. Mirrored by kvlite/native.py.
 struct kvl_hparams {
-    int32_t arch;  // 0 llama, 1 qwen2 (biased Q/K/V projections)
+    int32_t qk_norm;  // 1: per-head RMS norm of Q (and K) before RoPE (qwen3)
     int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab;
     float rms_eps;
     struct kvl_rope rope;
 };
 
-// ggml_rope_ext of x [head_dim, n_head, n] at positions pos with a model's RoPE.
+// ggml_rope_ext of x [head_dim, n_head, n] at positions pos with a model's RoPE; factors: an f32
+// tensor [n_dims / 2] of frequency factors, or NULL.
 static inline struct ggml_tensor * kvl_rope_ext(struct ggml_context * g, struct ggml_tensor * x, struct ggml_tensor * pos,
-                                                const struct kvl_rope * r) {
-    return ggml_rope_ext(g, x, pos, NULL, r->n_dims, r->mode, r->n_ctx_orig, r->freq_base, r->freq_scale,
+                                                struct ggml_tensor * factors, const struct kvl_rope * r) {
+    return ggml_rope_ext(g, x, pos, factors, r->n_dims, r->mode, r->n_ctx_orig, r->freq_base, r->freq_scale,
                          r->ext_factor, r->attn_factor, r->beta_fast, r->beta_slow);
 }
 
@@ -55,6 +57,8 @@ struct kvl_ctx {
     size_t sched_size;  // the graph size the scheduler was made for
 };
 void kvl_free(struct kvl_ctx * c);
+// The CPU backend's thread count (kvlite's -t), for every kernel run after this call.
+void kvl_set_threads(struct kvl_ctx * c, int n_threads);
 
 // Mark the inputs and `out`, allocate gf's tensors, copy inputs in, compute, copy `out` back.
 // Returns a kvl_status.

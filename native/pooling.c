@@ -175,7 +175,7 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
 }
 
 // EchoKV Eq. 2, proposals: RoPE as llama.cpp applies it (ggml_rope_ext with the model's mode,
-// base, frequency scale and YaRN parameters), here to rotate pre-RoPE queries to chosen positions.
+// base, frequency scale, YaRN parameters and frequency factors), here to rotate pre-RoPE queries to chosen positions.
 //   x: f32 [n_tok, n_head, head_dim] (pre-RoPE); pos: i32 [n_tok]; out: f32, same shape as x.
 int kvl_rope(struct kvl_ctx * c, const struct kvl_rope * rope, const float * x, const int32_t * pos, int n_tok,
              int n_head, int head_dim, float * out) {
@@ -188,11 +188,12 @@ int kvl_rope(struct kvl_ctx * c, const struct kvl_rope * rope, const float * x, 
     if (!g) return KVL_NO_MEMORY;
     struct ggml_tensor * tx = ggml_new_tensor_3d(g, GGML_TYPE_F32, head_dim, n_head, n_tok);
     struct ggml_tensor * tp = ggml_new_tensor_1d(g, GGML_TYPE_I32, n_tok);
-    struct ggml_tensor * r = kvl_rope_ext(g, tx, tp, rope);
+    struct ggml_tensor * tf = rope->freq_factors ? ggml_new_tensor_1d(g, GGML_TYPE_F32, rope->n_dims / 2) : NULL;
+    struct ggml_tensor * r = kvl_rope_ext(g, tx, tp, tf, rope);
     struct ggml_cgraph * gf = ggml_new_graph(g);
     ggml_build_forward_expand(gf, r);
-    const struct kvl_input in[] = {{tx, x}, {tp, pos}};
-    const int rc = kvl_run(c, gf, in, 2, r, out);
+    const struct kvl_input in[] = {{tx, x}, {tp, pos}, {tf, rope->freq_factors}};
+    const int rc = kvl_run(c, gf, in, 3, r, out);
     ggml_free(g);
     return rc;
 }

@@ -91,7 +91,7 @@ def bench_capture(model: Model, n_prompt: int, n_decode: int, rounds: int) -> di
         for mode in ("plain", "capture"):
             cap = None
             if mode == "capture":
-                cap = Capture()
+                cap = Capture(model.info)
                 cap.request("q", layers)
             cache, rate = prefill(model, prompt, n_prompt + n_decode + 256, cap)
             pre[mode].append(rate)

@@ -10,8 +10,11 @@
     of the prefill of the same 8K prompt. Target <= 5%.
 (d) Raw vs normalized surprise on a stated-once 5-digit code in ~1.5K tokens of prose: where the
     code's tokens rank in keep order (0 = kept first, 1 = evicted first) under each score.
+(e) -t: the same kernels at each thread count of --threads (default 1 and every core kvlite may
+    use), called in turn: attention pooling over 16K keys and, unless --skip-cc, a fast
+    counter-causal refresh of 4096 cells; the ratio to the first thread count.
 
-usage: python scripts/bench_scoring.py [--repeat 3] [--skip-cc] [--json]
+usage: python scripts/bench_scoring.py [--repeat 3] [--skip-cc] [--threads 1,2] [--json]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kvlite.cache import KVCache
 from kvlite.engine import Capture, Context, Model
 from kvlite.haystack import haystack
 from kvlite.models import default_model_path
-from kvlite.native import native
+from kvlite.native import default_threads, native
 from kvlite.reference.scores import attn_pool as torch_pool
 from kvlite.scoring.proposals import proposals
 from kvlite.scoring.surprise import CacheContents, SurpriseModel, cache_contents
@@ -97,7 +100,7 @@ def bench_pooling(info, repeat: int) -> list[dict]:
 
 def prefill_cache(model: Model, n: int) -> tuple[KVCache, float]:
     info = model.info
-    cap = Capture()
+    cap = Capture(info)
     cap.request("hidden", [info.n_layer - 2])
     cap.request("q_pre", range(info.n_layer))
     cache = KVCache(Context(model, n_ctx=n + 64, n_batch=512, capture=cap), hidden_layer=info.n_layer - 2)
@@ -148,7 +151,7 @@ def bench_echokv_passes(model: Model, cache: KVCache, prefill_s: float, repeat: 
     decode_q = rng.standard_normal((info.n_layer, info.n_head, t_len, info.head_dim)).astype(np.float32)
 
     def passes():
-        props = proposals(info, anchors, range(n, n + t_len))
+        props = proposals(info, anchors, range(n, n + t_len), range(info.n_layer))
         native().attn_pool(props, keys)  # bootstrap: W1 from the proposals
         native().attn_pool(np.ascontiguousarray(decode_q[:, :, : t_len // 2]), keys)  # repair with Q1
         native().attn_pool(decode_q, keys)  # final with [Q1; Q2]
@@ -166,7 +169,7 @@ def bench_needle_ranks(model: Model) -> list[dict]:
     paras.insert(len(paras) * 3 // 10, needle)
     text = "\n\n".join(paras) + "\n\nWhat is the locker code of Orla Bren?"
     tokens = model.tokenize(text)
-    cap = Capture()
+    cap = Capture(info)
     cap.request("hidden", [info.n_layer - 2])
     cache = KVCache(Context(model, n_ctx=len(tokens) + 64, capture=cap), hidden_layer=info.n_layer - 2)
     cache.append(tokens)
@@ -190,13 +193,40 @@ def bench_needle_ranks(model: Model) -> list[dict]:
     return rows
 
 
+def bench_threads(model: Model, cache: KVCache | None, repeat: int, threads: list[int]) -> list[dict]:
+    info = model.info
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((info.n_layer, info.n_head, 8, info.head_dim)).astype(np.float32)
+    k = rng.standard_normal((info.n_layer, info.n_head_kv, 16384, info.head_dim)).astype(np.float16)
+    kernels = {"pooling 16K keys": lambda: native().attn_pool(q, k)}
+    if cache is not None:
+        cc = SurpriseModel(info)
+        fast = tail(cache_contents(cache, cc, "fast"), 4096)
+        kernels["cc-fast 4096 cells"] = lambda: cc.logits(fast, "fast", "raw")
+    rows = []
+    for what, kernel in kernels.items():
+
+        def at(n: int, kernel=kernel):
+            return lambda: (native().set_threads(n), kernel())
+
+        t = interleaved({n: at(n) for n in threads}, repeat)
+        ms = {n: 1e3 * statistics.median(v) for n, v in t.items()}
+        speedup = {n: statistics.median(a / b for a, b in zip(t[threads[0]], t[n])) for n in threads}
+        rows.append(dict(kernel=what, ms=ms, speedup=speedup))
+        print(f"(e) {what}: " + " | ".join(f"-t {n} {ms[n]:7.1f} ms ({speedup[n]:.2f}x)" for n in threads), flush=True)
+    native().set_threads(default_threads())
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=8192, help="prompt tokens for (b) and (c)")
-    ap.add_argument("--skip-cc", action="store_true", help="only (a)")
+    ap.add_argument("--skip-cc", action="store_true", help="only (a) and (e)'s pooling")
+    ap.add_argument("--threads", default=f"1,{default_threads()}", help="thread counts for (e), comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    threads = sorted({int(n) for n in args.threads.split(",")})
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = Model(default_model_path())
     out = {"pooling": bench_pooling(model.info, args.repeat)}
@@ -206,6 +236,7 @@ def main() -> None:
         out["counter_causal"] = bench_counter_causal(model, cache, args.repeat)
         out["echokv"] = bench_echokv_passes(model, cache, prefill_s, args.repeat)
         out["needle_ranks"] = bench_needle_ranks(model)
+    out["threads"] = bench_threads(model, None if args.skip_cc else cache, args.repeat, threads)
     if args.json:
         print(json.dumps(out, indent=1))
 

@@ -33,11 +33,11 @@ from kvlite.eval.grid import Grid, GridConfig  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
 from kvlite.progress import progress_bar  # noqa: E402
 
-MODELS = {"smol": "default", "qwen": "qwen2.5-coder-0.5b"}
+MODELS = {"smol": "default", "qwen": "qwen2.5-coder-0.5b", "gemma": "gemma3-270m"}
 TASKS = ["single", "multikey", "twohop"]  # vt is beyond both models at 2K+ (calibration); recall is decode-heavy
 BUDGETS = [128, 256]
-N = {"smol": 24, "qwen": 12}  # samples per task and length (the protocol's minimum)
-LENGTHS = {"smol": [2048, 4096, 8192], "qwen": [2048, 4096]}
+N = {"smol": 24, "qwen": 12, "gemma": 24}  # samples per task and length (the protocol's minimum)
+LENGTHS = {"smol": [2048, 4096, 8192], "qwen": [2048, 4096], "gemma": [2048, 4096]}
 RUNS = ROOT / "results-runs"  # --out changes it
 FALLBACK_ECHOKV = "echokv(S=1,T=24,kernel=13,B1=512,aggregate=max)"  # the defaults before the protocol
 
@@ -58,6 +58,12 @@ def laq_spec(echokv: str) -> str:
 def test_policies() -> list[str]:
     e = echokv_spec()
     return ["full", "streaming", "h2o", "tova", "snapkv", laq_spec(e), e, "cc", "cc-fast", "cc-blind"]
+
+
+def gemma_policies() -> list[str]:
+    """Gemma-3-270M (issue 24): the counter-causal pass has no gemma3 block, K-norm and KVzip instead."""
+    e = echokv_spec()
+    return ["full", "streaming", "snapkv", laq_spec(e), e, "knorm", "kvzip"]
 
 
 PROTECT = ["streaming", "h2o", "tova", "snapkv", "laq(T=24)", "echokv"]
@@ -105,6 +111,9 @@ def stages(quick: bool = False) -> list[Stage]:
     out.append(stage("chat-tune-smol-1024", smol, CHAT_TASKS, 1024, 8, "tune", chat, BUDGETS))
     out.append(stage("chat-test-smol-1024", smol, CHAT_TASKS, 1024, 12, "test", chat, BUDGETS))
     out.append(stage("chat-test-qwen-1024", qwen, CHAT_TASKS, 1024, 8, "test", chat, BUDGETS))
+    # Gemma-3-270M, a base model (plain completion with an answer cue), sliding-window layers
+    out += [stage(f"test-gemma-{length}", MODELS["gemma"], TASKS, length, N["gemma"], "test", gemma_policies(), BUDGETS)
+            for length in LENGTHS["gemma"]]  # fmt: skip
     return out
 
 

@@ -24,9 +24,25 @@ def pytest_configure(config):
         rpc_add_servers(os.environ["KVLITE_TEST_RPC"])
 
 
+# One tiny model per architecture kvlite supports (models.ARCHS), and Llama 3's RoPE frequency
+# factors: every test taking `tiny_path` runs on each.
 TINY_SPECS = {
     "llama": TinySpec(arch="llama", n_layer=3, n_head=6, n_head_kv=2, head_dim=16, seed=1, chat_template=True),
+    "llama3": TinySpec(arch="llama", n_layer=2, n_head=4, n_head_kv=2, head_dim=16, seed=4, rope_freqs=True),
     "qwen2": TinySpec(arch="qwen2", n_layer=2, n_head=4, n_head_kv=1, head_dim=32, rope_base=1e6, seed=2),
+    "qwen3": TinySpec(arch="qwen3", n_layer=2, n_head=4, n_head_kv=2, head_dim=32, rope_base=1e6, seed=5),
+    # layers 0 and 2 slide over the last 16 positions (base 1e4), 1 and 3 see everything (base 1e6)
+    "gemma3": TinySpec(
+        arch="gemma3",
+        n_layer=4,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=16,
+        rope_base=1e6,
+        seed=6,
+        sliding_window=16,
+        swa_pattern=2,
+    ),
 }
 
 
@@ -39,6 +55,14 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session", params=sorted(TINY_SPECS))
 def tiny_path(request, tiny_paths) -> str:
     return tiny_paths[request.param]
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_SPECS))
+def tiny_arch_model(request, tiny_paths):
+    """Each architecture's tiny model, loaded."""
+    from kvlite.engine import Model
+
+    return Model(tiny_paths[request.param])
 
 
 @pytest.fixture(scope="session")

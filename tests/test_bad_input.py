@@ -190,7 +190,8 @@ def test_chat_refuses_a_nul_in_a_line(tiny_paths):
 
 # From 0 s (CPython still starting: the signal ends it as SIGINT does) through the imports to the
 # generation. kvlite's handler is in place from its first import on; what precedes that is CPython's
-# own startup (site), a few milliseconds.
+# own startup (site, then finding the kvlite package), a few milliseconds in which CPython itself
+# reports the KeyboardInterrupt, with no line of kvlite's run yet: that is accepted, nothing later.
 @pytest.mark.parametrize("delay", [0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8])
 def test_ctrl_c_at_any_moment_of_startup(tiny_paths, delay):
     # As in a terminal: SIGINT not ignored in the child, whatever pytest inherited (a shell's
@@ -211,6 +212,8 @@ def test_ctrl_c_at_any_moment_of_startup(tiny_paths, delay):
         proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     err = err.decode()
+    if "KeyboardInterrupt" in err and "/kvlite/" not in err and proc.returncode != 0:
+        return  # CPython's own startup was interrupted, before kvlite's first line (its frames would name kvlite/)
     assert "Traceback" not in err, err
     # Before Python has installed its handler (or after main returned) the signal ends the process
     # as SIGINT does, silently; in between it is one line and status 130.

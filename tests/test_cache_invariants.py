@@ -82,8 +82,8 @@ def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path, monkeypatch)
         kvstate.StateFile(path)
 
 
-def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_model):
-    ctx = Context(tiny_model, n_ctx=256, n_batch=64)
+def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_model):
+    ctx = Context(tiny_arch_model, n_ctx=256, n_batch=64)
     cache = KVCache(ctx)
     cache.append(list(range(5, 105)))
     cache.evict([p for p in range(100) if p % 2 == 0 or p == 99])
@@ -118,9 +118,9 @@ EXAMPLES = int(os.environ.get("KVLITE_HYPOTHESIS_EXAMPLES", "40"))
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
-def test_random_operation_sequences_match_llama_state(tiny_model, ops, seed):
+def test_random_operation_sequences_match_llama_state(tiny_arch_model, ops, seed):
     rng = np.random.default_rng(seed)
-    ctx = Context(tiny_model, n_ctx=512, n_batch=32)
+    ctx = Context(tiny_arch_model, n_ctx=512, n_batch=32)
     cache = KVCache(ctx)
     cache.append([int(t) for t in rng.integers(3, 300, size=8)])
 

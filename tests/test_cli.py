@@ -34,6 +34,25 @@ def test_info_json_on_tiny_model(tiny_paths):
     assert facts["rpc"]  # setup.sh builds llama.cpp with RPC, which the offload tests use
 
 
+def test_info_says_what_each_policy_scores_on_each_architecture(tiny_path):
+    from kvlite.models import ARCHS
+    from kvlite.policies import POLICIES
+
+    proc = run_cli("info", "-m", tiny_path, "--json")
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads(proc.stdout)
+    assert facts["supported_archs"] == list(ARCHS) and facts["arch"] in ARCHS
+    assert facts["qk_norm"] == ARCHS[facts["arch"]].qk_norm
+    assert sorted(facts["scores_on"]) == sorted(POLICIES)
+    if facts["swa_layers"]:  # gemma3: the layers that see every cell
+        assert f"the {facts['n_layer'] - len(facts['swa_layers'])} global layers" in facts["scores_on"]["snapkv"]
+        assert facts["scores_on"]["cc"].startswith("not available on gemma3")
+    else:
+        assert f"all {facts['n_layer']} layers" in facts["scores_on"]["snapkv"]
+    text = run_cli("info", "-m", tiny_path).stdout  # the same facts for a person: one policy a line
+    assert any(line.strip().startswith("kvzip: the attention of repeat-the-context") for line in text.splitlines())
+
+
 def test_ngl_on_this_build(tiny_paths):
     """-ngl keeps llama.cpp's meaning; on a CPU build nothing is offloaded and a note says why."""
     from kvlite.native import default_device
@@ -66,7 +85,7 @@ def test_default_threads_are_the_cores_kvlite_may_run_on():
     """taskset or a container's cpuset limits the cores: -t's default follows (os.cpu_count would
     put 8 threads on one core)."""
     code = "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-    code += "from kvlite.engine.model import default_threads; print(default_threads())"
+    code += "from kvlite.native import default_threads; print(default_threads())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
 
@@ -146,19 +165,43 @@ def test_truncated_gguf(tiny_paths, tmp_path, keep_fraction):
     assert_one_line_error(run_cli("generate", "-m", str(f), "-p", "hi"), "truncated")
 
 
-def test_unsupported_architecture(tmp_path):
+def _header_only_gguf(path: pathlib.Path, arch: str, tensors: dict | None = None) -> pathlib.Path:
     import gguf
     import numpy as np
 
-    path = tmp_path / "mamba.gguf"
-    w = gguf.GGUFWriter(str(path), "mamba")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    for name, value in (tensors or {"token_embd.weight": np.zeros((4, 8), np.float32)}).items():
+        w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert_one_line_error(run_cli("generate", "-m", str(path), "-p", "hi"), "unsupported architecture 'mamba'")
+    return path
+
+
+@pytest.mark.parametrize("command", [["info"], ["generate", "-p", "hi"], ["chat"], ["eval", "--tasks", "single"],
+                                     ["serve"]])  # fmt: skip
+def test_recurrent_architecture_is_refused_everywhere(tmp_path, command):
+    """llama.cpp cannot remove part of a recurrent memory: every command says so in one line and
+    names what kvlite supports."""
+    from test_serve import free_port
+
+    path = _header_only_gguf(tmp_path / "mamba.gguf", "mamba")
+    port = ["--port", str(free_port())] if command == ["serve"] else []
+    proc = run_cli(command[0], "-m", str(path), *command[1:], *port, stdin="hi\n", timeout=60)
+    assert_one_line_error(proc, "'mamba', a recurrent or hybrid model")
+    assert "kvlite supports llama, qwen2, qwen3" in proc.stderr
+
+
+def test_unknown_architecture_and_fused_qkv_are_refused(tmp_path):
+    import numpy as np
+
+    path = _header_only_gguf(tmp_path / "bert.gguf", "bert")
+    assert_one_line_error(run_cli("info", "-m", str(path)), "unsupported architecture 'bert'")
+    fused = {"blk.0.attn_qkv.weight": np.zeros((24, 8), np.float32)}
+    path = _header_only_gguf(tmp_path / "fused.gguf", "llama", fused)
+    assert_one_line_error(run_cli("info", "-m", str(path)), "stores Q, K and V fused")
 
 
 def test_budget_at_or_below_sinks(tiny_paths):

@@ -12,16 +12,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_SPECS
 
 from kvlite.cache import KVCache
 from kvlite.engine import Capture, Context, Model
 from kvlite.errors import KvliteError
+from kvlite.native import COUNTER_CAUSAL_ARCHS
 from kvlite.reference.counter_causal import counter_causal_logits
 from kvlite.reference.model import RefCache, ReferenceModel
 from kvlite.scoring.surprise import CacheContents, SurpriseModel, cache_contents, surprise
 from kvlite.selection import protected_positions, select_keep
 
 ATOL = 1e-3
+
+
+@pytest.fixture(scope="module", params=sorted(a for a, spec in TINY_SPECS.items() if spec.arch in COUNTER_CAUSAL_ARCHS))
+def tiny_path(request, tiny_paths):
+    """The tiny models of the architectures the native pass runs (gemma3's refusal is tested below)."""
+    return tiny_paths[request.param]
 
 
 def _tokens(n, n_vocab, seed):
@@ -58,7 +66,7 @@ def test_twin_matches_the_definition(tiny_path):
 def _engine_cache(path, toks, keep=None):
     model = Model(path)
     info = model.info
-    cap = Capture()
+    cap = Capture(info)
     cap.request("hidden", [info.n_layer - 2])
     ctx = Context(model, n_ctx=len(toks) + 64, n_batch=64, kv_type="f32", capture=cap)
     cache = KVCache(ctx, hidden_layer=info.n_layer - 2)
@@ -227,7 +235,7 @@ def test_keep_set_overlap_on_smollm2(smol_path, variant):
         "every Thursday, when farmers bring apples, pears and cheese from the valley. " * 3
     )
     info = model.info
-    cap = Capture()
+    cap = Capture(info)
     cap.request("hidden", [info.n_layer - 2])
     cache = KVCache(Context(model, n_ctx=len(toks) + 64, capture=cap), hidden_layer=info.n_layer - 2)
     cache.append(toks)
@@ -251,5 +259,16 @@ def test_unsupported_architecture_is_refused(tiny_paths):
     from kvlite.models import read_model_info
 
     info = dataclasses.replace(read_model_info(tiny_paths["llama"]), arch="gemma3")
-    with pytest.raises(KvliteError, match="supports llama, qwen2"):
+    with pytest.raises(KvliteError, match="supports llama, qwen2, qwen3, not 'gemma3'"):
         SurpriseModel(info)
+
+
+@pytest.mark.parametrize("name", ["cc", "cc-fast", "cc-blind"])
+def test_gemma3_is_refused_before_any_work(tiny_paths, name):
+    """The native pass has no Gemma block (sandwich norms, GeGLU, sliding layers whose cache keeps
+    only the window): every counter-causal policy says so when the run is set up."""
+    from kvlite.policies import make_policy
+    from kvlite.runner import Runner, RunSettings
+
+    with pytest.raises(KvliteError, match="supports llama, qwen2, qwen3, not 'gemma3'"):
+        Runner(Model(tiny_paths["gemma3"]), make_policy(name, budget=20), RunSettings(n_ctx=128))

@@ -27,24 +27,26 @@ ATOL_KVZIP = 1e-4
 def twin_pair_scores(path: str, tokens: list[int], sinks: int, chunk: int, model: Model, kernel: int) -> np.ndarray:
     """KVzip's pair scores from the torch reference model: read the context, then for each chunk
     teacher-force the repeat prompt and the chunk on a copy of the cache, and score; then torch's
-    max_pool1d over the scored cells (SnapKV's smoothing)."""
+    max_pool1d over the scored cells (SnapKV's smoothing). The layers scored: those whose cache holds
+    every cell (gemma3's global ones)."""
     ref = ReferenceModel(path)
     info = ref.info
+    layers = info.full_layers
     cache = ref.new_cache()
     ref.forward(tokens, range(len(tokens)), cache)
     n = len(tokens)
-    keys = torch.stack(cache.k).permute(0, 2, 1, 3)  # [L, Hkv, n, D]
-    out = np.full((info.n_layer, info.n_head_kv, n), np.inf)
+    keys = torch.stack([cache.k[il] for il in layers]).permute(0, 2, 1, 3)  # [L, Hkv, n, D]
+    out = np.full((len(layers), info.n_head_kv, n), np.inf)
     for c0 in range(sinks, n, chunk):
         c1 = min(c0 + chunk, n)
         previous = None if c0 == sinks else tokens[max(sinks, c0 - POSTFIX) : c0]
         seq = repeat_prompt(model, previous) + tokens[c0:c1]
         cap: dict = {}
         ref.forward(seq, range(n, n + len(seq)), copy.deepcopy(cache), capture=cap)
-        q = torch.stack([cap[("q", il)] for il in range(info.n_layer)]).permute(0, 2, 1, 3)  # [L, H, T, D]
-        k = torch.stack([cap[("k", il)] for il in range(info.n_layer)]).permute(0, 2, 1, 3)  # [L, Hkv, T, D]
+        q = torch.stack([cap[("q", il)] for il in layers]).permute(0, 2, 1, 3)  # [L, H, T, D]
+        k = torch.stack([cap[("k", il)] for il in layers]).permute(0, 2, 1, 3)  # [L, Hkv, T, D]
         ks = torch.cat([keys[:, :, :sinks], keys[:, :, c0:c1], k], dim=2)
-        s = attn_pool(q, ks, reduce="max", causal_tail=len(seq))
+        s = attn_pool(q, ks, info.kq_scale, reduce="max", causal_tail=len(seq))
         out[:, :, c0:c1] = s[:, :, sinks : sinks + c1 - c0].numpy()
     if kernel > 1:
         scored = torch.from_numpy(out[:, :, sinks:])
@@ -53,8 +55,8 @@ def twin_pair_scores(path: str, tokens: list[int], sinks: int, chunk: int, model
 
 
 @pytest.mark.parametrize("chunk", [40, 200])  # several passes (later prompts quote the previous chunk); one pass
-def test_kvzip_matches_its_torch_twin(tiny_paths, chunk):
-    path = tiny_paths["llama"]
+def test_kvzip_matches_its_torch_twin(tiny_path, chunk):
+    path = tiny_path
     model = Model(path)
     tokens = [int(t) for t in np.random.default_rng(5).integers(3, model.n_vocab, size=130)]
     policy = KVzip(budget=48, repeat_chunk=chunk)

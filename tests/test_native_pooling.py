@@ -105,7 +105,7 @@ def test_attn_pool_on_captured_queries_and_cached_keys(tiny_paths):
     """Real inputs: post-RoPE queries captured from llama.cpp and keys read from its cache."""
     model = Model(tiny_paths["llama"])
     info = model.info
-    cap = Capture()
+    cap = Capture(info)
     cap.request("q", range(info.n_layer))
     ctx = Context(model, n_ctx=128, n_batch=64, capture=cap)
     cache = KVCache(ctx)

@@ -9,13 +9,13 @@ import torch
 from kvlite.cache import KVCache
 from kvlite.engine import Capture, Context, Model
 from kvlite.reference.model import rope as torch_rope
-from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+from kvlite.reference.tiny_gguf import TinySpec, llama3_freq_factors, write_tiny_gguf
 from kvlite.scoring.proposals import proposals, rope
 
 
 def _captured(path: str, n: int):
     model = Model(path)
-    cap = Capture()
+    cap = Capture(model.info)
     layers = range(model.info.n_layer)
     cap.request("q_pre", layers)
     cap.request("q", layers)
@@ -35,7 +35,7 @@ def test_rope_equals_llamacpp_at_every_position(tiny_path):
     info, cap = _captured(tiny_path, 300)
     for il in range(info.n_layer):
         q_pre, q = cap.get("q_pre", il), cap.get("q", il)
-        np.testing.assert_array_equal(rope(info, q_pre, np.arange(300)), q)  # the same ggml op: bit for bit
+        np.testing.assert_array_equal(rope(info, q_pre, np.arange(300), il), q)  # the same ggml op: bit for bit
 
 
 def test_rope_equals_llamacpp_with_yarn(yarn_path):
@@ -43,6 +43,18 @@ def test_rope_equals_llamacpp_with_yarn(yarn_path):
     assert info.rope_scaling == "yarn" and info.rope_freq_scale == 0.25 and info.yarn_ext_factor == 1.0
     for il in range(info.n_layer):
         np.testing.assert_array_equal(rope(info, cap.get("q_pre", il), np.arange(700)), cap.get("q", il))
+
+
+def test_llama3_frequency_factors_are_read_from_the_file(tiny_paths):
+    """The llama3 fixture's rope_freqs.weight, as written, reaches ModelInfo (and through it the
+    native RoPE and the twin: the two tests around this one run on that fixture too)."""
+    from kvlite.models import read_model_info
+
+    info = read_model_info(tiny_paths["llama3"])
+    want = llama3_freq_factors(info.head_dim, info.rope_base)
+    assert info.rope_freq_factors == tuple(float(x) for x in want)
+    assert min(want) == 1.0 and max(want) == 8.0 and 1.0 < sorted(want)[4] < 8.0  # all three regimes
+    assert read_model_info(tiny_paths["llama"]).rope_freq_factors is None
 
 
 def test_rope_matches_the_torch_twin(tiny_path):
@@ -53,7 +65,13 @@ def test_rope_matches_the_torch_twin(tiny_path):
     q_pre = cap.get("q_pre", 0)
     pos = np.array([0, 1, 7, 100, 999, 5000] + [3] * 14)
     got = rope(info, q_pre, pos)
-    want = torch_rope(torch.from_numpy(q_pre).double(), torch.from_numpy(pos), info.rope_base, info.rope_type)
+    want = torch_rope(
+        torch.from_numpy(q_pre).double(),
+        torch.from_numpy(pos),
+        info.layer_rope_base(0),
+        info.rope_type,
+        info.rope_freq_factors,
+    )
     np.testing.assert_allclose(got, want.numpy(), atol=1e-3, rtol=0)
 
 
@@ -61,10 +79,10 @@ def test_proposals_layout(tiny_paths):
     info, cap = _captured(tiny_paths["llama"], 12)
     anchors = np.stack([cap.get("q_pre", il)[-2:] for il in range(info.n_layer)])  # S = 2: [L, 2, H, D]
     positions = [12, 13, 14, 15]
-    props = proposals(info, anchors, positions)
+    props = proposals(info, anchors, positions, range(info.n_layer))
     assert props.shape == (info.n_layer, info.n_head, 2 * 4, info.head_dim)
     for il in range(info.n_layer):
         for s in range(2):
             for t, p in enumerate(positions):
-                want = rope(info, anchors[il, s][None], [p])[0]  # [H, D]
+                want = rope(info, anchors[il, s][None], [p], il)[0]  # [H, D]
                 np.testing.assert_array_equal(props[il, :, s * 4 + t], want)

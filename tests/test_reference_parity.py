@@ -33,7 +33,7 @@ def _engine(path: str, n_ctx: int = 256, capture: Capture | None = None):
 def test_prefill_logits_and_qk_match_reference(tiny_path):
     ref = ReferenceModel(tiny_path)
     info = ref.info
-    cap = Capture()
+    cap = Capture(info)
     cap.request("q", range(info.n_layer))
     cap.request("k", range(info.n_layer))
     cap.request("q_pre", range(info.n_layer))
@@ -56,7 +56,7 @@ def test_prefill_logits_and_qk_match_reference(tiny_path):
 def test_decode_after_evictions_with_holes_matches_reference(tiny_path):
     ref = ReferenceModel(tiny_path)
     info = ref.info
-    cap = Capture()
+    cap = Capture(info)
     cap.request("q", range(info.n_layer))
     cap.request("k", range(info.n_layer))
     model, ctx, cache = _engine(tiny_path, capture=cap)
@@ -114,7 +114,7 @@ def test_captured_kq_hidden_and_cache_views_match_reference(tiny_paths):
     ref = ReferenceModel(path)
     info = ref.info
     last = info.n_layer - 1
-    cap = Capture()
+    cap = Capture(info)
     cap.request("kq", [last])
     cap.request("hidden", [last - 1])
     cap.request("k_cache", [last])

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import llama_cpp
 import numpy as np
 
+from ..models import ModelInfo
 from ..native import native
 
 # kind -> (node name pattern, op, dims, token axis or None when ubatches don't stack)
@@ -23,12 +24,23 @@ KINDS = {
     "hidden": ("l_out-{il}", "ADD", 2, 0),  # residual stream after layer il
     "k_cache": ("cache_k_l{il} (view)", "VIEW", 3, None),  # the attended part of the K cache
 }
+# Where a model with Q/K norms (qwen3) has its pre-RoPE query: after the norm (src/models/qwen3.cpp).
+QK_NORM_NODES = {"q_pre": ("Qcur_normed-{il}", "MUL")}
+
+
+def node(kind: str, info: ModelInfo) -> tuple[str, str]:
+    """The graph node (name pattern, op) that holds `kind` in this model's llama.cpp graph."""
+    if info.qk_norm and kind in QK_NORM_NODES:
+        return QK_NORM_NODES[kind]
+    return KINDS[kind][:2]
 
 
 class Capture:
-    """Records, per ubatch, the requested (kind, layer) tensors of every decode while enabled."""
+    """Records, per ubatch, the requested (kind, layer) tensors of every decode while enabled, for
+    one model's graph (info: where its nodes are)."""
 
-    def __init__(self) -> None:
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
         self._native = native()
         self.ptr = self._native.capture_new()
         self._wants: list[tuple[str, int]] = []  # the native want index -> (kind, layer)
@@ -53,7 +65,7 @@ class Capture:
         self._native.capture_enable(self.ptr, on)
 
     def request(self, kind: str, layers: Iterable[int]) -> None:
-        pattern, op, _, _ = KINDS[kind]
+        pattern, op = node(kind, self.info)
         for il in layers:
             if (kind, il) in self._wants:
                 continue

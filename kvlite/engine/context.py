@@ -12,9 +12,10 @@ import llama_cpp as L
 import numpy as np
 
 from ..errors import KvliteError
+from ..native import default_threads, native
 from . import kvstate
 from .capture import Capture
-from .model import LOG_BUFFERS, LOG_ERRORS, Model, default_threads, logged_buffers
+from .model import LOG_BUFFERS, LOG_ERRORS, Model, logged_buffers
 
 KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32}
 LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspace view
@@ -43,9 +44,14 @@ class Context:
         p.n_batch = p.n_ubatch = min(n_batch, n_ctx)
         p.n_seq_max = 2
         p.kv_unified = True
+        # A sliding-window model's local layers get all n_ctx cells too (llama.cpp's default): with
+        # the window-sized cache a workspace view pins old cells there and a lookahead or KVzip pass
+        # runs out of cells (docs/policies.md, "Sliding-window models").
+        p.swa_full = True
         # Attention weights (kq) exist only with flash attention off; off is also faster on CPU.
         p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.n_threads = p.n_threads_batch = n_threads or default_threads()
+        native().set_threads(p.n_threads)  # the score kernels run on as many threads as the decode
         p.type_k = p.type_v = KV_TYPES[kv_type]
         p.no_perf = True
         if capture is not None:

@@ -1,14 +1,19 @@
 """Parse and rebuild the per-sequence K/V blob of `llama_state_seq_get_data`.
 
-Layout (llama-cpp-python 0.3.36, a plain KV cache, no per-cell extension, little endian):
-    u32 magic 0xaf143cd8 ; i32 seq_id ; u32 n_stream
+Layout (llama-cpp-python 0.3.36, KV caches with no per-cell extension, little endian):
+    u32 magic 0xaf143cd8 ; i32 seq_id ; then one section per KV cache of the model: one for a plain
+    cache; two for interleaved sliding-window attention (llama_kv_cache_iswa::state_write: the
+    global layers' cache, which holds every cell of the sequence, then the sliding layers', which
+    holds only the cells inside the window). A section:
+    u32 n_stream
     per stream: u32 cell_count (0: nothing else for this stream)
       cell_count x { i32 pos ; u32 n_seq_id ; n_seq_id x i32 seq_id }
       u32 v_trans ; u32 n_layer
       n_layer x { i32 k_type ; u64 k_row_bytes ; cell_count rows }
       v_trans=0: n_layer x { i32 v_type ; u64 v_row_bytes ; cell_count rows }
       v_trans=1: n_layer x { i32 v_type ; u32 el_bytes ; u32 n_embd_v ; n_embd_v x (cell_count x el) }
-Cells come in cell-index order; a sequence's evicted cells are simply absent.
+Cells come in cell-index order; a sequence's evicted cells are simply absent. A section's layers
+are its cache's, in model order (section 0 of gemma3: its global layers).
 """
 
 from __future__ import annotations
@@ -47,10 +52,15 @@ class Stream:
 @dataclasses.dataclass
 class SeqState:
     seq_id: int
-    streams: list[Stream | None]  # None: the sequence has no cell in that stream
+    streams: list[Stream | None]  # section 0's streams; None: the sequence has no cell in that stream
+    more: list[list[Stream | None]] = dataclasses.field(default_factory=list)  # the sections after it
+
+    @property
+    def sections(self) -> list[list[Stream | None]]:
+        return [self.streams, *self.more]
 
     def positions(self) -> np.ndarray:
-        """Every resident position of the sequence, sorted."""
+        """Every resident position of the sequence, sorted (section 0 holds all of them)."""
         parts = [s.pos for s in self.streams if s is not None]
         return np.sort(np.concatenate(parts)) if parts else np.empty(0, np.int32)
 
@@ -119,8 +129,17 @@ class _Layout:
     v_at: list[int] = dataclasses.field(default_factory=list)
 
 
-def _walk(r: _Reader) -> list[_Layout | None]:
-    """The layout of every stream, from n_stream on (the one parser of the format)."""
+def _walk(r: _Reader) -> list[list[_Layout | None]]:
+    """The layout of every stream of every section, from the first n_stream on (the one parser of
+    the format)."""
+    sections = []
+    while True:
+        sections.append(_walk_section(r))
+        if r.at_end():
+            return sections
+
+
+def _walk_section(r: _Reader) -> list[_Layout | None]:
     streams: list[_Layout | None] = []
     for _ in range(r.unpack("<I")):
         cells = r.unpack("<I")
@@ -143,8 +162,6 @@ def _walk(r: _Reader) -> list[_Layout | None]:
             lay.v_types.append((v_type, *r.unpack("<II")) if lay.v_trans else (v_type, r.unpack("<Q")))
             lay.v_at.append(r.skip(_nbytes(cells, lay.v_types[-1], lay.v_trans)))
         streams.append(lay)
-    if not r.at_end():
-        raise KvliteError("KV state has unexpected trailing bytes")
     return streams
 
 
@@ -167,18 +184,20 @@ def parse(blob: bytes) -> SeqState:
     if magic != MAGIC:
         raise KvliteError(f"unknown KV state format (magic {magic:#x}): kvlite needs llama-cpp-python 0.3.36")
     data = np.frombuffer(blob, dtype=np.uint8)
-    streams: list[Stream | None] = []
-    for lay in _walk(r):
-        if lay is None:
-            streams.append(None)
-            continue
-        n = len(lay.pos)
-        st = Stream(pos=lay.pos, seq_ids=lay.seq_ids, v_trans=lay.v_trans, k_types=lay.k_types, v_types=lay.v_types)
-        st.k = [_view(data[o : o + _nbytes(n, t)], n, t) for o, t in zip(lay.k_at, lay.k_types)]
-        vt = lay.v_trans
-        st.v = [_view(data[o : o + _nbytes(n, t, vt)], n, t, vt) for o, t in zip(lay.v_at, lay.v_types)]
-        streams.append(st)
-    return SeqState(seq_id=seq_id, streams=streams)
+    sections = []
+    for layouts in _walk(r):
+        streams: list[Stream | None] = []
+        for lay in layouts:
+            if lay is None:
+                streams.append(None)
+                continue
+            n, vt = len(lay.pos), lay.v_trans
+            st = Stream(pos=lay.pos, seq_ids=lay.seq_ids, v_trans=vt, k_types=lay.k_types, v_types=lay.v_types)
+            st.k = [_view(data[o : o + _nbytes(n, t)], n, t) for o, t in zip(lay.k_at, lay.k_types)]
+            st.v = [_view(data[o : o + _nbytes(n, t, vt)], n, t, vt) for o, t in zip(lay.v_at, lay.v_types)]
+            streams.append(st)
+        sections.append(streams)
+    return SeqState(seq_id=seq_id, streams=sections[0], more=sections[1:])
 
 
 FILE_MAGIC, FILE_VERSION = 0x67677371, 3  # "ggsq": llama_state_seq_save_file's header
@@ -191,7 +210,8 @@ class StateFile:
     version, token count, tokens). llama.cpp writes it one tensor range at a time, so neither side
     ever holds the whole export in memory (at 8K tokens on SmolLM2 the blob is ~190 MB: the largest
     part of an eviction's memory peak when it was read from memory). Only the kv_unified case of one
-    stream is read."""
+    stream per section is read. k(il) and v(il) read section 0 (every cell of the sequence); il
+    counts that section's layers."""
 
     def __init__(self, path: str | os.PathLike):
         self.f = open(path, "rb")  # noqa: SIM115 (held until close)
@@ -202,13 +222,17 @@ class StateFile:
             if magic != FILE_MAGIC or version != FILE_VERSION:
                 raise KvliteError(f"not a llama-cpp-python 0.3.36 state file (magic {magic:#x}, version {version})")
             r.skip(4 * n_tokens)
-            streams = [s for s in _walk(r) if s is not None]
-            if len(streams) != 1:
-                raise KvliteError(f"reading a state file expects one KV stream, found {len(streams)}")
+            self.sections: list[_Layout | None] = []  # None: the sequence has no cell in that cache
+            for streams in _walk(r):
+                if len(streams) != 1:
+                    raise KvliteError(f"reading a state file expects one KV stream, found {len(streams)}")
+                self.sections.append(streams[0])
+            if self.sections[0] is None:
+                raise KvliteError("the state file holds no cell of the sequence")
         except BaseException:
             self.f.close()
             raise
-        self.layout = streams[0]
+        self.layout = self.sections[0]
         self.pos = self.layout.pos
         self.n_layer = len(self.layout.k_at)
         self.by_position = np.argsort(self.pos, kind="stable")  # cells in position order
@@ -221,16 +245,23 @@ class StateFile:
         """Layer il's V rows [cells, n_embd_v] (transposed back when llama.cpp stores V transposed)."""
         return self._read(self.layout.v_at[il], self.layout.v_types[il], order, self.layout.v_trans)
 
-    def stream(self, order: np.ndarray | None = None) -> Stream:
-        """The whole stream in memory (cells in `order`), e.g. to load it back with `build`."""
-        lay = self.layout
-        idx = np.arange(len(self.pos)) if order is None else np.asarray(order)
-        return Stream(pos=self.pos[idx], seq_ids=[lay.seq_ids[i] for i in idx], v_trans=lay.v_trans,
-                      k_types=lay.k_types, v_types=lay.v_types, k=[self.k(il, idx) for il in range(self.n_layer)],
-                      v=[self.v(il, idx) for il in range(self.n_layer)])  # fmt: skip
+    def state(self, seq_id: int, by_position: bool = False) -> SeqState:
+        """Every section in memory (each one's cells in position order if by_position), e.g. to load
+        it back with `build`."""
+        sections = []
+        for lay in self.sections:
+            if lay is None:
+                sections.append([None])
+                continue
+            idx = np.argsort(lay.pos, kind="stable") if by_position else np.arange(len(lay.pos))
+            k = [self._read(at, t, idx, n=len(lay.pos)) for at, t in zip(lay.k_at, lay.k_types)]
+            v = [self._read(at, t, idx, lay.v_trans, len(lay.pos)) for at, t in zip(lay.v_at, lay.v_types)]
+            sections.append([Stream(pos=lay.pos[idx], seq_ids=[lay.seq_ids[i] for i in idx], v_trans=lay.v_trans,
+                                    k_types=lay.k_types, v_types=lay.v_types, k=k, v=v)])  # fmt: skip
+        return SeqState(seq_id, sections[0], sections[1:])
 
-    def _read(self, offset: int, desc: tuple, order: np.ndarray | None, v_trans: int = 0) -> np.ndarray:
-        n = len(self.pos)
+    def _read(self, offset: int, desc: tuple, order: np.ndarray | None, v_trans: int = 0, n: int | None = None):
+        n = len(self.pos) if n is None else n
         raw = np.empty(_nbytes(n, desc, v_trans), np.uint8)
         self.f.seek(offset)
         if self.f.readinto(memoryview(raw)) != len(raw):
@@ -250,8 +281,16 @@ class StateFile:
 
 def build(state: SeqState) -> bytes:
     """The inverse of parse."""
-    parts = [struct.pack("<IiI", MAGIC, state.seq_id, len(state.streams))]
-    for st in state.streams:
+    parts = [struct.pack("<Ii", MAGIC, state.seq_id)]
+    for streams in state.sections:
+        parts.append(struct.pack("<I", len(streams)))
+        parts += _build_streams(streams)
+    return b"".join(parts)
+
+
+def _build_streams(streams: list[Stream | None]) -> list[bytes]:
+    parts = []
+    for st in streams:
         if st is None or st.cell_count == 0:
             parts.append(struct.pack("<I", 0))
             continue
@@ -266,4 +305,4 @@ def build(state: SeqState) -> bytes:
                 parts.append(struct.pack("<iQ", *vt) + np.ascontiguousarray(v).tobytes())
             else:
                 parts.append(struct.pack("<iII", *vt) + np.ascontiguousarray(v.T).tobytes())
-    return b"".join(parts)
+    return parts

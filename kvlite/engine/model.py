@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import codecs
 import ctypes
-import os
 import pathlib
 from collections.abc import Sequence
 
@@ -49,12 +48,6 @@ def logged_buffers(kind: str) -> dict[str, float]:
         if size:
             out[head.split(":", 1)[1].strip()] = float(size.split()[0])
     return out
-
-
-def default_threads() -> int:
-    """-t's default: the cores this process may run on (taskset, a container's cpuset), at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, 8))
 
 
 def offloaded_layers(n_gpu_layers: int | None, n_layer: int) -> int:

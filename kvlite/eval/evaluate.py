@@ -24,6 +24,7 @@ from . import longbench, metrics
 from .tasks import Sample
 
 CHUNK = 512
+BASE_MODEL_CUE = "\nAnswer:"  # what follows a chat task's prompt for a model without a chat template
 
 
 @dataclasses.dataclass
@@ -49,9 +50,11 @@ def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None, ma
     def encode(text: str) -> list[int]:
         return model.tokenize(text, add_special=True, parse_special=sample.chat)
 
-    if sample.chat:
+    if sample.chat and model.chat_template is not None:
         text = model.apply_chat_template([{"role": "user", "content": sample.prompt}])
         offset = text.index(sample.prompt)
+    elif sample.chat:  # a base model (no template): a plain completion, cued as lm-eval-harness cues one
+        text, offset = sample.prompt + BASE_MODEL_CUE, 0
     else:
         text, offset = sample.prompt, 0
     tokens = encode(text)
@@ -107,7 +110,7 @@ def read_prefix(model: Model, tokens: list[int], n_ctx: int, n_threads: int | No
     if not tokens:
         return None
     hidden_layer = model.info.n_layer - 2
-    capture = Capture()
+    capture = Capture(model.info)
     capture.request("hidden", [hidden_layer])
     ctx = Context(model, n_ctx, n_batch=CHUNK, n_threads=n_threads, capture=capture)
     try:

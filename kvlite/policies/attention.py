@@ -65,6 +65,7 @@ class SnapKV(LastQueries):
     observation window itself is kept (window defaults to it)."""
 
     name = "snapkv"
+    reads = "the attention of the last prompt queries over the cached keys of {layers}, max-pooled"
 
     def __post_init__(self):
         self.window = self.window or self.observation
@@ -75,6 +76,7 @@ class TOVA(LastQueries):
     """TOVA (Oren et al., 2024): the attention of the last token only."""
 
     name = "tova"
+    reads = "the attention of the last token's query over the cached keys of {layers}"
     observation: int = 1
     pool_kernel: int = 0
 
@@ -86,6 +88,7 @@ class H2O(LastQueries):
     (kvlite has no full prefill attention matrix; docs/policies.md)."""
 
     name = "h2o"
+    reads = "the attention the last prompt queries paid each cached key of {layers}, accumulated"
     pool_kernel: int = 0
     aggregation: str = "mean"
 
@@ -99,6 +102,7 @@ class DapQ(AttentionPolicy):
     next `lookahead` positions (Eq. 2), pooled over the prompt."""
 
     name = "dapq"
+    reads = "the attention of proposals (the last pre-RoPE queries rotated to future positions) over {layers}"
     lookahead: int = lookahead_param(16)
     anchors: int = anchors_param(1)
 

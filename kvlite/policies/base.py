@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import KvliteError
 
 if TYPE_CHECKING:
+    from ..models import ModelInfo
     from .observe import Observation
 
 
@@ -97,6 +98,8 @@ class Policy:
                       "decode)", type=str, choices=MODES)  # fmt: skip
 
     name: ClassVar[str] = ""
+    # What the scores are computed from, for `kvlite info`; {layers}: the layers scored on a model
+    reads: ClassVar[str] = ""
     refresh_every_token: ClassVar[bool] = False  # chunked: also refresh after every generated token
 
     @classmethod
@@ -120,6 +123,18 @@ class Policy:
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def scores_on(cls, info: ModelInfo) -> str:
+        """What this policy scores on the model `info` describes."""
+        if not info.swa_layers:
+            return cls.reads.format(layers=f"all {info.n_layer} layers")
+        full, n_swa = info.full_layers, len(info.swa_layers)
+        return cls.reads.format(layers=f"the {len(full)} global layers ({', '.join(map(str, full))}; the {n_swa} "
+                                f"others see only the last {info.n_swa} positions)")  # fmt: skip
+
+    def check_model(self, info: ModelInfo) -> None:
+        """A one-line error, before any work, where this policy cannot score on the model."""
 
     @property
     def continuous(self) -> bool:

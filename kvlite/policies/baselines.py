@@ -16,6 +16,7 @@ class FullKV(Policy):
     """No eviction: the reference every other policy is measured against."""
 
     name = "full"
+    reads = "nothing: every cell is kept"
 
     def validate(self) -> None:
         if self.budget is not None or self.mode != "prefill-end":
@@ -32,6 +33,7 @@ class StreamingLLM(Policy):
     """StreamingLLM (Xiao et al., 2024): attention sinks plus a window of the most recent tokens."""
 
     name = "streaming"
+    reads = "positions only: the sinks and the most recent window"
     mode: str = "chunked"
     refresh_every_token = True  # scoring is free: the window slides token by token
 

@@ -19,6 +19,7 @@ from .observe import Observation
 @dataclasses.dataclass
 class Hybrid(EchoKV, KVzip):
     name = "hybrid"
+    reads = "kvzip's scores for a document turn, echokv's for a question, over {layers}"
     captures: ClassVar[tuple[str, ...]] = ("q", "q_pre", "k")
 
     def lookahead_cells(self) -> int:

@@ -22,11 +22,14 @@ class KNorm(Policy):
     the paper's analysis; 0 = every layer counts, kvpress's default)."""
 
     name = "knorm"
+    reads = "the norms of the cached keys of {layers} from --first-layer on"
     first_layer: int = param(0, "--first-layer", "knorm: the first layer whose key norms count", minimum=0)
 
     def scores(self, obs: Observation) -> np.ndarray:
         if self.first_layer >= obs.info.n_layer:
             raise KvliteError(f"{self.flag('first_layer')} {self.first_layer}: the model has {obs.info.n_layer} layers")
-        layers = range(self.first_layer, obs.info.n_layer)
+        layers = [il for il in obs.info.full_layers if il >= self.first_layer]  # sliding layers hold the window only
+        if not layers:
+            raise KvliteError(f"{self.flag('first_layer')} {self.first_layer}: no layer from there on holds every cell")
         norms = [np.linalg.norm(obs.keys.layer(il).astype(np.float32), axis=-1).mean(axis=0) for il in layers]
         return -np.mean(norms, axis=0)  # low norm = kept first

@@ -62,6 +62,7 @@ class KVzip(Policy):
     the pass's queries and keys, and its [queries x keys] scores per layer)."""
 
     name = "kvzip"
+    reads = "the attention of repeat-the-context passes over the cached keys of {layers}"
     captures: ClassVar[tuple[str, ...]] = ("q", "k")  # of the reconstruction passes
     repeat_chunk: int = param(512, "--repeat-chunk", "kvzip: cells teacher-forced back per reconstruction pass",
                               alias="C", minimum=16)  # fmt: skip
@@ -89,7 +90,9 @@ class KVzip(Policy):
         tokens = obs.cache.tokens_at(pos)
         keys = obs.keys  # a layer at a time: [Hkv, n, D]
         sink = min(self.sinks, n)
-        out = np.full((keys.n_layer, keys.n_head_kv, n), np.inf)  # the sinks are in every pass's softmax, always kept
+        out = np.full(
+            (len(keys.layers), keys.n_head_kv, n), np.inf
+        )  # the sinks are in every pass's softmax, always kept
         for c0 in range(sink, n, self.repeat_chunk):
             c1 = min(c0 + self.repeat_chunk, n)
             previous = None if c0 == sink else tokens[max(sink, c0 - POSTFIX) : c0]
@@ -99,11 +102,11 @@ class KVzip(Policy):
             finally:
                 look.close()
             cells = np.r_[0:sink, c0:c1]  # what the pass's softmax sees of the cache: its sinks and chunk
-            for il in range(keys.n_layer):
+            for i, il in enumerate(keys.layers):
                 cached = keys.layer(il, cells)
-                ks = np.concatenate([cached, k[il].astype(cached.dtype)], axis=1)
-                s = native().attn_pool(q[il][None], ks[None], reduce="max", causal_tail=q[il].shape[1])
-                out[il, :, c0:c1] = s[0, :, sink : sink + c1 - c0]  # s: [1, Hkv, sink + chunk + pass]
+                ks = np.concatenate([cached, k[i].astype(cached.dtype)], axis=1)
+                s = native().attn_pool(q[i][None], ks[None], obs.info.kq_scale, reduce="max", causal_tail=q[i].shape[1])
+                out[i, :, c0:c1] = s[0, :, sink : sink + c1 - c0]  # s: [1, Hkv, sink + chunk + pass]
             del q, k  # else they live on through the next pass's capture: twice the memory
         return max_pool(out, self.pool_kernel)
 

@@ -37,6 +37,7 @@ class LAQ(LookaheadPolicy):
     then the final top-B by the lookahead queries over the whole prompt."""
 
     name = "laq"
+    reads = "the attention of lookahead queries (greedy steps on a SnapKV workspace) over {layers}"
     observation: int = observation_param(32)
 
     def observed_tokens(self) -> int:
@@ -60,6 +61,7 @@ class EchoKV(LookaheadPolicy):
     forward passes in all, as LAQ."""
 
     name = "echokv"
+    reads = "the attention of proposals, then of lookahead queries on two workspaces, over {layers}"
     # Picked on the tune split by a joint successive-halving search over S, T, smoothing, B1 and
     # aggregation (scripts/pick_defaults.py; docs/results.md, "EchoKV defaults"). S=16, not the
     # paper's 1: with a chat template the last prompt token is a template marker whose query does

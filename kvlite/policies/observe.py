@@ -64,7 +64,8 @@ class Observation:
             self.__dict__.pop("keys").close()
 
     def last_queries(self, n: int, kind: str = "q") -> np.ndarray:
-        """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D]."""
+        """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D], L
+        the full layers (ModelInfo.full_layers) in order, as every [L, ...] array here."""
         rows = self.observed.get(kind)
         if rows is None or rows.shape[1] < n:
             raise KvliteError(f"the runner did not capture {kind} of the last {n} tokens")
@@ -73,9 +74,9 @@ class Observation:
     def pooled(self, queries: np.ndarray, pool_kernel: int = 0) -> np.ndarray:
         """EchoKV Eq. 3 of these queries over every resident cell: [L, Hkv, n], a layer at a time."""
         keys = self.keys
-        pool = native().attn_pool
-        return np.concatenate([pool(queries[il : il + 1], keys.layer(il)[None], pool_kernel=pool_kernel)
-                               for il in range(keys.n_layer)])  # fmt: skip
+        pool, scale = native().attn_pool, self.info.kq_scale
+        return np.concatenate([pool(queries[i : i + 1], keys.layer(il)[None], scale, pool_kernel=pool_kernel)
+                               for i, il in enumerate(keys.layers)])  # fmt: skip
 
     def token_scores(self, queries: np.ndarray, aggregation: str, pool_kernel: int, budget: int) -> np.ndarray:
         return aggregate(self.pooled(queries, pool_kernel), aggregation, budget)
@@ -84,7 +85,7 @@ class Observation:
         """EchoKV Eq. 2: the last `anchors` pre-RoPE queries rotated to the next `steps` positions."""
         pre = self.last_queries(anchors, "q_pre").transpose(0, 2, 1, 3)  # [L, S, H, D]
         start = self.cache.n_pos
-        return proposals(self.info, pre, range(start, start + steps))
+        return proposals(self.info, pre, range(start, start + steps), self.info.full_layers)
 
     def top(self, scores: np.ndarray, n: int) -> np.ndarray:
         """The n resident positions with the highest scores (ties: later first), ascending."""
@@ -101,7 +102,7 @@ class Lookahead:
     RoPE query of every decoded token. The live sequence is untouched; `close` drops it all."""
 
     def __init__(self, obs: Observation, prompt_view: np.ndarray):
-        if obs.ctx is None or obs.capture is None or not obs.capture.wants("q", 0):
+        if obs.ctx is None or obs.capture is None or not obs.capture.wants("q", obs.info.full_layers[0]):
             raise KvliteError("lookahead needs a context capturing queries")
         self.obs = obs
         self.cache = obs.cache
@@ -135,7 +136,7 @@ class Lookahead:
                 self.obs.workspace_forward_passes += 1
                 self.tokens.append(self.next_token)
                 self.next_token = int(np.argmax(self.ctx.logits(-1)))
-            q = np.stack([self.capture.take("q", il) for il in range(info.n_layer)])  # [L, n, H, D]
+            q = np.stack([self.capture.take("q", il) for il in info.full_layers])  # [L, n, H, D]
         finally:
             self.capture.enabled = False
         return np.ascontiguousarray(q.transpose(0, 2, 1, 3))
@@ -145,15 +146,15 @@ class Lookahead:
         their post-RoPE queries and keys per layer ([H, n, D] and [Hkv, n, D]). Taken a layer at a
         time, so the capture's buffer shrinks as the copies grow (no stacked copy of all layers)."""
         info = self.obs.info
-        if not self.capture.wants("k", 0):
+        if not self.capture.wants("k", info.full_layers[0]):
             raise KvliteError("reconstruction needs a context capturing keys")
         self.capture.clear()
         self.capture.enabled = True
         try:
             self.cache.workspace_decode(tokens, logits="none")
             self.obs.workspace_forward_passes += -(-len(tokens) // self.ctx.n_batch)
-            q = [_heads_first(self.capture.take("q", il)) for il in range(info.n_layer)]
-            k = [_heads_first(self.capture.take("k", il)) for il in range(info.n_layer)]
+            q = [_heads_first(self.capture.take("q", il)) for il in info.full_layers]
+            k = [_heads_first(self.capture.take("k", il)) for il in info.full_layers]
         finally:
             self.capture.enabled = False
         return q, k

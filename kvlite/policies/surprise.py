@@ -8,6 +8,9 @@ import functools
 
 import numpy as np
 
+from ..errors import KvliteError
+from ..models import ModelInfo
+from ..native import COUNTER_CAUSAL_ARCHS
 from ..scoring.surprise import SCORES, SurpriseModel, cache_contents, surprise
 from .base import Policy, param
 from .observe import Observation
@@ -24,11 +27,23 @@ class CounterCausal(Policy):
     min_gap: cells next to a token it may not attend to (the reference code's min_gap)."""
 
     name = "cc"
+    reads = "counter-causal logits: the model's weights run over the cached K/V of {layers}, later cells first"
     variant = "full"
     blind = False
     score: str = param("raw", "--surprise", "raw (the paper's logit of x_i) or logprob (kvlite's normalized one)",
                        type=str, alias="surprise", choices=SCORES)  # fmt: skip
     min_gap: int = param(0, "--min-gap", "nearest later tokens a token may not attend to", minimum=0)
+
+    @classmethod
+    def scores_on(cls, info: ModelInfo) -> str:
+        if info.arch not in COUNTER_CAUSAL_ARCHS:
+            return f"not available on {info.arch}: the native pass runs {', '.join(COUNTER_CAUSAL_ARCHS)} blocks"
+        return super().scores_on(info)
+
+    def check_model(self, info: ModelInfo) -> None:
+        if info.arch not in COUNTER_CAUSAL_ARCHS:
+            raise KvliteError(f"{self.name} runs the model's blocks in kvlite's native pass, which supports "
+                              f"{', '.join(COUNTER_CAUSAL_ARCHS)}, not '{info.arch}': use another policy")  # fmt: skip
 
     def scores(self, obs: Observation) -> np.ndarray:
         model = _surprise_model(obs.info)
@@ -42,6 +57,7 @@ class CounterCausalFast(CounterCausal):
     """The single-layer approximation: the last layer only, from the stored hidden states."""
 
     name = "cc-fast"
+    reads = "counter-causal logits of the last layer, from the hidden states entering it and its cached K/V"
     variant = "fast"
     needs_hidden = True
 
@@ -54,4 +70,5 @@ class CounterCausalBlind(CounterCausal):
     finds a stated-once number predictable; here x_i must be predicted from the later cells alone."""
 
     name = "cc-blind"
+    reads = "counter-causal logits from the cached K/V of {layers}, every input a neutral embedding"
     blind = True

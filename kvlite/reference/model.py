@@ -1,4 +1,4 @@
-"""A torch re-implementation of llama.cpp's llama and qwen2 graphs, read from the same GGUF file.
+"""A torch re-implementation of llama.cpp's llama, qwen2, qwen3 and gemma3 graphs, read from the same GGUF file.
 
 It is the yardstick the engine and the native kernels are held to: it computes what llama.cpp
 should compute at explicit positions, with a KV cache whose entries can be evicted (leaving holes
@@ -26,10 +26,14 @@ class LayerWeights:
     bq: torch.Tensor | None
     bk: torch.Tensor | None
     bv: torch.Tensor | None
+    q_norm: torch.Tensor | None  # qwen3: per-head RMS norm weights [head_dim] of Q and K before RoPE
+    k_norm: torch.Tensor | None
     ffn_norm: torch.Tensor
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
+    post_attn_norm: torch.Tensor | None  # gemma3: after attention and after the FFN
+    post_ffw_norm: torch.Tensor | None
 
 
 def load_gguf_tensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -62,10 +66,22 @@ class RefCache:
         self.v = [v[mask] for v in self.v]
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, base: float, mode: str) -> torch.Tensor:
-    """x: [T, heads, D] rotated to positions pos [T]. norm: pairs (2i, 2i+1); neox: (i, i + D/2)."""
+def ggml_gelu(x: torch.Tensor) -> torch.Tensor:
+    """ggml's CPU GELU (ggml-cpu/vec.h, GGML_GELU_FP16): the tanh form looked up in an f16 table, so
+    the input is rounded to f16 and so is the output; exact below -10 (0) and above 10 (x)."""
+    x16 = x.to(torch.float16).to(torch.float32)
+    y = 0.5 * x16 * (1.0 + torch.tanh(0.7978845608028654 * x16 * (1.0 + 0.044715 * x16 * x16)))
+    y = y.to(torch.float16).to(x.dtype)
+    return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, base: float, mode: str, factors=None) -> torch.Tensor:
+    """x: [T, heads, D] rotated to positions pos [T]. norm: pairs (2i, 2i+1); neox: (i, i + D/2).
+    factors [D/2] (Llama 3's rope_freqs): frequency i's angle divided by factors[i], as ggml does."""
     d = x.shape[-1]
     inv = base ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    if factors is not None:
+        inv = inv / torch.as_tensor(factors, dtype=torch.float64)
     theta = pos.to(torch.float64)[:, None] * inv[None, :]  # [T, D/2]
     cos = torch.cos(theta)[:, None, :].to(x.dtype)
     sin = torch.sin(theta)[:, None, :].to(x.dtype)
@@ -100,10 +116,14 @@ class ReferenceModel:
                 bq=w.get(f"blk.{i}.attn_q.bias"),
                 bk=w.get(f"blk.{i}.attn_k.bias"),
                 bv=w.get(f"blk.{i}.attn_v.bias"),
+                q_norm=w.get(f"blk.{i}.attn_q_norm.weight"),
+                k_norm=w.get(f"blk.{i}.attn_k_norm.weight"),
                 ffn_norm=w[f"blk.{i}.ffn_norm.weight"],
                 w_gate=w[f"blk.{i}.ffn_gate.weight"],
                 w_up=w[f"blk.{i}.ffn_up.weight"],
                 w_down=w[f"blk.{i}.ffn_down.weight"],
+                post_attn_norm=w.get(f"blk.{i}.post_attention_norm.weight"),
+                post_ffw_norm=w.get(f"blk.{i}.post_ffw_norm.weight"),
             )
             for i in range(self.info.n_layer)
         ]
@@ -111,8 +131,15 @@ class ReferenceModel:
     def new_cache(self) -> RefCache:
         return RefCache(self.info.n_layer)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """RMS norm over the last dimension (no weight: none, as for a model without Q/K norms)."""
+        if weight is None:
+            return x
         return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.info.rms_eps) * weight
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor, il: int) -> torch.Tensor:
+        info = self.info
+        return rope(x, pos, info.layer_rope_base(il), info.rope_type, info.rope_freq_factors)
 
     @staticmethod
     def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -123,15 +150,15 @@ class ReferenceModel:
         """Pre- and post-RoPE queries [T, H, D] of layer il for inputs x [T, n_embd]."""
         info, lw = self.info, self.layers[il]
         h = self._norm(x, lw.attn_norm)
-        q_pre = self._linear(h, lw.wq, lw.bq).view(x.shape[0], info.n_head, info.head_dim)
-        return q_pre, rope(q_pre, pos, info.rope_base, info.rope_type)
+        q_pre = self._norm(self._linear(h, lw.wq, lw.bq).view(x.shape[0], info.n_head, info.head_dim), lw.q_norm)
+        return q_pre, self._rope(q_pre, pos, il)
 
     def key_value(self, il: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE keys and values [T, Hkv, D] of layer il, rounded to the cache's precision."""
         info, lw = self.info, self.layers[il]
         h = self._norm(x, lw.attn_norm)
         shape = (x.shape[0], info.n_head_kv, info.head_dim)
-        k = rope(self._linear(h, lw.wk, lw.bk).view(shape), pos, info.rope_base, info.rope_type)
+        k = self._rope(self._norm(self._linear(h, lw.wk, lw.bk).view(shape), lw.k_norm), pos, il)
         v = self._linear(h, lw.wv, lw.bv).view(shape)
         if self.kv_dtype is not None:
             k, v = k.to(self.kv_dtype).to(self.dtype), v.to(self.kv_dtype).to(self.dtype)
@@ -144,15 +171,24 @@ class ReferenceModel:
         group = info.n_head // info.n_head_kv
         kh = keys.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
         vh = values.repeat_interleave(group, dim=1)
-        att = torch.einsum("thd,nhd->htn", q, kh) / info.head_dim**0.5
+        att = torch.einsum("thd,nhd->htn", q, kh) * info.kq_scale
         att = att.masked_fill(~visible[None], float("-inf")).softmax(-1)
         o = torch.einsum("htn,nhd->thd", att, vh).reshape(x.shape[0], -1)
-        x = x + o @ lw.wo.T
+        x = x + self._norm(o @ lw.wo.T, lw.post_attn_norm)
         h = self._norm(x, lw.ffn_norm)
-        return x + (torch.nn.functional.silu(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T
+        act = ggml_gelu if info.ffn_act == "gelu" else torch.nn.functional.silu
+        return x + self._norm((act(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T, lw.post_ffw_norm)
+
+    def embed(self, tokens) -> torch.Tensor:
+        x = self.tok_embd[torch.as_tensor(np.asarray(list(tokens)), dtype=torch.long)]
+        if self.info.embd_scale:  # ggml_scale by sqrtf(n_embd), an f32 factor
+            x = x * float(np.float32(np.sqrt(self.info.n_embd)))
+        return x
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x, self.out_norm) @ self.output.T
+        logits = self._norm(x, self.out_norm) @ self.output.T
+        cap = self.info.logit_softcap
+        return logits if not cap else cap * torch.tanh(logits / cap)
 
     def forward(self, tokens, positions, cache: RefCache, capture: dict | None = None, visible=None) -> torch.Tensor:
         """Process tokens at positions on top of the cache (which grows by them). Each token
@@ -161,10 +197,12 @@ class ReferenceModel:
         capture is a dict it receives per layer "q_pre", "q" ([T, H, D]), "k" ([T, Hkv, D]) and
         "hidden" (the input of each layer, [T, n_embd])."""
         pos = torch.as_tensor(np.asarray(list(positions)), dtype=torch.long)
-        x = self.tok_embd[torch.as_tensor(np.asarray(list(tokens)), dtype=torch.long)]
+        x = self.embed(tokens)
         all_pos = torch.cat([cache.pos, pos])
         if visible is None:
             visible = all_pos[None, :] <= pos[:, None]
+        # a sliding-window layer sees the keys less than n_swa positions back (llama_hparams::is_masked_swa)
+        in_window = (pos[:, None] - all_pos[None, :]) < self.info.n_swa
         for il in range(self.info.n_layer):
             if capture is not None:
                 capture[("hidden", il)] = x.clone()
@@ -175,6 +213,6 @@ class ReferenceModel:
             ks = k if cache.k[il] is None else torch.cat([cache.k[il], k])
             vs = v if cache.v[il] is None else torch.cat([cache.v[il], v])
             cache.k[il], cache.v[il] = ks, vs
-            x = self.attend_and_ffn(il, x, q, ks, vs, visible)
+            x = self.attend_and_ffn(il, x, q, ks, vs, visible & in_window if il in self.info.swa_layers else visible)
         cache.pos = all_pos
         return self.output_logits(x)

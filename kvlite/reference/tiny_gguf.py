@@ -1,4 +1,4 @@
-"""Writes tiny f32 GGUF models (llama and qwen2 architectures) that llama.cpp loads and runs.
+"""Writes tiny f32 GGUF models (llama, qwen2, qwen3 and gemma3 architectures) that llama.cpp loads and runs.
 
 f32 weights keep llama.cpp's matmuls free of activation quantization, so its numbers can be
 held to a torch reference tightly. The vocabulary is SentencePiece-style: control tokens, the
@@ -24,7 +24,9 @@ NORMAL, CONTROL, BYTE = 1, 3, 6
 
 @dataclasses.dataclass(frozen=True)
 class TinySpec:
-    arch: str = "llama"  # "llama" (NORM rope) or "qwen2" (NEOX rope, QKV bias, tied output)
+    # "llama" (NORM rope), "qwen2" (NEOX rope, QKV bias, tied output), "qwen3" (Q/K norms) or "gemma3"
+    # (Q/K norms, sandwich norms, GeGLU, scaled embeddings, sliding-window layers)
+    arch: str = "llama"
     n_layer: int = 3
     n_head: int = 6
     n_head_kv: int = 2
@@ -35,6 +37,10 @@ class TinySpec:
     seed: int = 0
     chat_template: bool = False  # a ChatML template (llama.cpp's built-in engine renders it)
     yarn: tuple[float, int] | None = None  # YaRN context extension: (factor, original context)
+    rope_freqs: bool = False  # Llama 3's RoPE frequency factors (the rope_freqs.weight tensor)
+    sliding_window: int = 0  # gemma3: the window of its local layers
+    swa_pattern: int = 2  # gemma3: every swa_pattern-th layer global (llama.cpp's set_swa_pattern)
+    rope_base_swa: float = 10000.0  # gemma3: the local layers' RoPE base
 
     @property
     def n_embd(self) -> int:
@@ -53,6 +59,21 @@ def vocabulary() -> tuple[list[str], list[int]]:
         tokens.append(f"<0x{b:02X}>")
         types.append(BYTE)
     return tokens, types
+
+
+def llama3_freq_factors(
+    head_dim: int, base: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0, n_ctx_orig: int = 1024
+) -> np.ndarray:
+    """The factors Llama 3.1's converter writes (convert_hf_to_gguf.py, rope_type "llama3"): 1 for
+    wavelengths under n_ctx_orig / high, `factor` above n_ctx_orig / low, smooth in between. With a
+    16-wide head and base 1e4 the eight frequencies cover all three regimes."""
+    freqs = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (n_ctx_orig / wavelen - low) / (high - low)
+    out = np.where(wavelen < n_ctx_orig / high, 1.0, np.where(wavelen > n_ctx_orig / low, factor, 0.0))
+    mid = out == 0.0
+    out[mid] = 1.0 / ((1 - smooth[mid]) / factor + smooth[mid])
+    return out.astype(np.float32)
 
 
 def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pathlib.Path:
@@ -79,6 +100,12 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     w.add_head_count_kv(spec.n_head_kv)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(spec.rope_base)
+    if spec.arch == "gemma3":
+        w.add_key_length(D)
+        w.add_value_length(D)
+        w.add_sliding_window(spec.sliding_window)
+        w.add_sliding_window_pattern(spec.swa_pattern)
+        w.add_rope_freq_base_swa(spec.rope_base_swa)
     if spec.yarn:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn[0])
@@ -95,6 +122,8 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     if spec.chat_template:
         w.add_chat_template(CHATML)
 
+    if spec.rope_freqs:
+        w.add_tensor("rope_freqs.weight", llama3_freq_factors(D, spec.rope_base))
     # Small embeddings keep tied output heads (qwen2) from saturating every softmax.
     w.add_tensor("token_embd.weight", (0.3 * rng.standard_normal((n_vocab, E))).astype(np.float32))
     for i in range(spec.n_layer):
@@ -103,6 +132,9 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
         w.add_tensor(f"blk.{i}.attn_q.weight", 2.0 * mat(spec.n_head * D, E))
         w.add_tensor(f"blk.{i}.attn_k.weight", 2.0 * mat(spec.n_head_kv * D, E))
         w.add_tensor(f"blk.{i}.attn_v.weight", mat(spec.n_head_kv * D, E))
+        if spec.arch in ("qwen3", "gemma3"):  # per-head norms, weights near 1 as trained models have them
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", (1.0 + 0.2 * rng.standard_normal(D)).astype(np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", (1.0 + 0.2 * rng.standard_normal(D)).astype(np.float32))
         if spec.arch == "qwen2":
             w.add_tensor(f"blk.{i}.attn_q.bias", (0.5 * rng.standard_normal(spec.n_head * D)).astype(np.float32))
             w.add_tensor(f"blk.{i}.attn_k.bias", (0.5 * rng.standard_normal(spec.n_head_kv * D)).astype(np.float32))
@@ -112,8 +144,11 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
         w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(spec.n_ff, E))
         w.add_tensor(f"blk.{i}.ffn_up.weight", mat(spec.n_ff, E))
         w.add_tensor(f"blk.{i}.ffn_down.weight", mat(E, spec.n_ff))
+        if spec.arch == "gemma3":
+            w.add_tensor(f"blk.{i}.post_attention_norm.weight", norm_weight())
+            w.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm_weight())
     w.add_tensor("output_norm.weight", norm_weight())
-    if spec.arch != "qwen2":  # qwen2 ties the output head to the embeddings
+    if spec.arch not in ("qwen2", "gemma3"):  # these tie the output head to the embeddings
         w.add_tensor("output.weight", mat(n_vocab, E))
 
     w.write_header_to_file()

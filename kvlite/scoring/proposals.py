@@ -12,24 +12,28 @@ from ..models import ModelInfo
 from ..native import RopeParams, native
 
 
-def rope(info: ModelInfo, x: np.ndarray, positions: Sequence[int]) -> np.ndarray:
-    """Rotate pre-RoPE vectors x [n, heads, head_dim] to positions [n] exactly as llama.cpp does."""
+def rope(info: ModelInfo, x: np.ndarray, positions: Sequence[int], layer: int = 0) -> np.ndarray:
+    """Rotate pre-RoPE vectors x [n, heads, head_dim] of `layer` to positions [n] exactly as llama.cpp
+    does (a sliding-window layer has its own base)."""
     x = np.asarray(x, dtype=np.float32)
     pos = np.asarray(positions, dtype=np.int32)
     if x.ndim != 3 or x.shape[2] != info.head_dim or pos.shape != (x.shape[0],):
         raise KvliteError(f"rope wants x [n, heads, {info.head_dim}] and n positions, got {x.shape} and {pos.shape}")
-    return native().rope(RopeParams.of(info), x, pos)
+    return native().rope(RopeParams.of(info, layer), x, pos)
 
 
-def proposals(info: ModelInfo, anchors: np.ndarray, positions: Sequence[int]) -> np.ndarray:
-    """anchors: pre-RoPE queries [n_layer, S, n_head, head_dim] (the last S prompt tokens);
-    positions: the T future positions. Returns the S*T proposals per layer in attn_pool's query
-    layout [n_layer, n_head, S*T, head_dim] (anchor-major: proposal s*T + t is anchor s at t)."""
+def proposals(info: ModelInfo, anchors: np.ndarray, positions: Sequence[int], layers: Sequence[int]) -> np.ndarray:
+    """anchors: pre-RoPE queries [n_layer, S, n_head, head_dim] (the last S prompt tokens) of the
+    model's `layers`; positions: the T future positions. Returns the S*T proposals per layer in
+    attn_pool's query layout [n_layer, n_head, S*T, head_dim] (anchor-major: proposal s*T + t is
+    anchor s at t)."""
     n_layer, n_anchor, n_head, d = anchors.shape
+    if len(layers) != n_layer:
+        raise KvliteError(f"proposals: anchors of {n_layer} layers, {len(layers)} layers named")
     pos = np.asarray(positions, dtype=np.int32)
     t = len(pos)
     out = np.empty((n_layer, n_head, n_anchor * t, d), np.float32)
-    for il in range(n_layer):  # a layer at a time: the temporaries stay one layer's (EchoKV's 16 x 24 are 27 MB in all)
-        x = np.repeat(anchors[il].reshape(n_anchor, 1, n_head, d), t, axis=1).reshape(-1, n_head, d)
-        out[il] = rope(info, x, np.tile(pos, n_anchor)).transpose(1, 0, 2)
+    for i, il in enumerate(layers):  # a layer at a time: the temporaries stay one layer's (EchoKV's 16 x 24: 27 MB)
+        x = np.repeat(anchors[i].reshape(n_anchor, 1, n_head, d), t, axis=1).reshape(-1, n_head, d)
+        out[i] = rope(info, x, np.tile(pos, n_anchor), il).transpose(1, 0, 2)
     return out
