@@ -157,3 +157,15 @@ def test_stale_library_is_refused(monkeypatch):
     monkeypatch.setattr(kn, "ABI_VERSION", kn.ABI_VERSION + 1)  # this kvlite expects a newer library
     with pytest.raises(KvliteError, match="stale"):
         Native()
+
+
+def test_the_kernels_run_on_the_threads_the_context_decodes_with(tiny_paths):
+    """-t reaches the score kernels: a context sets the CPU backend's thread count of kvlite's
+    library to its own (scripts/bench_scoring.py's (e) measures what that buys)."""
+
+    model = Model(tiny_paths["llama"])
+    for n in (1, 2, 1):
+        Context(model, n_ctx=64, n_threads=n)
+        assert native().n_threads == n
+    with pytest.raises(KvliteError, match="-t must be positive"):
+        native().set_threads(0)
