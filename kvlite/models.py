@@ -245,7 +245,7 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
         raise KvliteError(f"{path} is truncated: tensor data ends at byte {end}, the file has {size}")
     meta = header.metadata
     arch = meta.get("general.architecture")
-    check_arch(arch, path)
+    _check_arch(arch, path)
     names = {t.name for t in header.tensors}
     if "blk.0.attn_qkv.weight" in names:
         raise KvliteError(f"{path} stores Q, K and V fused (attn_qkv): kvlite reads them separately, "
@@ -256,7 +256,7 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
         raise KvliteError(f"{path} has incomplete or malformed GGUF metadata ({e})") from None
 
 
-def check_arch(arch: object, path: object) -> None:
+def _check_arch(arch: object, path: object) -> None:
     """A one-line refusal of an architecture kvlite cannot evict on, naming those it can."""
     if arch in ARCHS:
         return

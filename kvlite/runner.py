@@ -143,7 +143,8 @@ class Runner:
         if self.capture is not None and settings.flash_attn:
             raise KvliteError(f"--policy {self.policy.name} observes attention: drop --flash-attn")
         self.ctx = Context(model, settings.n_ctx, n_batch=settings.chunk, n_threads=settings.n_threads,
-                           flash_attn=settings.flash_attn, kv_type=settings.kv_type, capture=self.capture)  # fmt: skip
+                           flash_attn=settings.flash_attn, kv_type=settings.kv_type, capture=self.capture,
+                           swa_full=self.policy.lookahead_cells() > 0)  # fmt: skip
         hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
         self.cache = KVCache(self.ctx, hidden_layer=hidden_layer)
         self.observed: dict[str, np.ndarray] = {}  # queries of the last tokens fed, per kind [L, n, H, D]

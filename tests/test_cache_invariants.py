@@ -116,11 +116,12 @@ OPS = st.one_of(
 EXAMPLES = int(os.environ.get("KVLITE_HYPOTHESIS_EXAMPLES", "40"))
 
 
+@pytest.mark.parametrize("swa_full", [True, False])  # gemma3: the sliding layers' cache of n_ctx cells or the window's
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
-def test_random_operation_sequences_match_llama_state(tiny_arch_model, ops, seed):
+def test_random_operation_sequences_match_llama_state(tiny_arch_model, swa_full, ops, seed):
     rng = np.random.default_rng(seed)
-    ctx = Context(tiny_arch_model, n_ctx=512, n_batch=32)
+    ctx = Context(tiny_arch_model, n_ctx=512, n_batch=32, swa_full=swa_full)
     cache = KVCache(ctx)
     cache.append([int(t) for t in rng.integers(3, 300, size=8)])
 

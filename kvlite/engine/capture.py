@@ -24,7 +24,7 @@ KINDS = {
     "hidden": ("l_out-{il}", "ADD", 2, 0),  # residual stream after layer il
     "k_cache": ("cache_k_l{il} (view)", "VIEW", 3, None),  # the attended part of the K cache
 }
-# Where a model with Q/K norms (qwen3) has its pre-RoPE query: after the norm (src/models/qwen3.cpp).
+# Where a model with Q/K norms (qwen3, gemma3) has its pre-RoPE query: after the norm (src/models/qwen3.cpp).
 QK_NORM_NODES = {"q_pre": ("Qcur_normed-{il}", "MUL")}
 
 

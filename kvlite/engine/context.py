@@ -34,7 +34,13 @@ class Context:
         flash_attn: bool = False,
         kv_type: str = "f16",
         capture: Capture | None = None,
+        swa_full: bool = True,
     ):
+        """swa_full: a sliding-window model's local layers get all n_ctx cells too (llama.cpp's
+        default). A workspace needs it: a view pins every cell it views in the sliding layers' cache
+        as well, and with the window-sized cache a lookahead or KVzip pass runs out of cells
+        (docs/models.md, "Sliding-window models"). Without a workspace the window-sized cache holds
+        the same cells in less memory."""
         if n_ctx <= 0:
             raise KvliteError(f"context size must be positive, got {n_ctx}")
         self.model = model
@@ -44,10 +50,7 @@ class Context:
         p.n_batch = p.n_ubatch = min(n_batch, n_ctx)
         p.n_seq_max = 2
         p.kv_unified = True
-        # A sliding-window model's local layers get all n_ctx cells too (llama.cpp's default): with
-        # the window-sized cache a workspace view pins old cells there and a lookahead or KVzip pass
-        # runs out of cells (docs/policies.md, "Sliding-window models").
-        p.swa_full = True
+        p.swa_full = swa_full
         # Attention weights (kq) exist only with flash attention off; off is also faster on CPU.
         p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.n_threads = p.n_threads_batch = n_threads or default_threads()

@@ -41,12 +41,14 @@ L.llama_backend_init()
 
 def logged_buffers(kind: str) -> dict[str, float]:
     """{device: MiB} of the `kind` buffers ("model", "KV", "compute") llama.cpp logged since
-    LOG_BUFFERS was last cleared (e.g. {"RPC0[127.0.0.1:50052]": 0.09} for an offloaded cache)."""
+    LOG_BUFFERS was last cleared (e.g. {"RPC0[127.0.0.1:50052]": 0.09} for an offloaded cache),
+    summed per device (a sliding-window model logs one KV buffer per cache)."""
     out: dict[str, float] = {}
     for line in LOG_BUFFERS:
         head, _, size = line.partition(f" {kind} buffer size =")
         if size:
-            out[head.split(":", 1)[1].strip()] = float(size.split()[0])
+            device = head.split(":", 1)[1].strip()
+            out[device] = out.get(device, 0.0) + float(size.split()[0])
     return out
 
 
