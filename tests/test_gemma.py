@@ -22,6 +22,7 @@ def gemma():
     return Model(resolve_model("gemma3-270m"))
 
 
+@pytest.mark.slow
 def test_the_fetched_file_is_the_published_one(gemma):
     import hashlib
 
@@ -32,6 +33,7 @@ def test_the_fetched_file_is_the_published_one(gemma):
     assert gemma.info.arch == "gemma3" and gemma.info.full_layers == (5, 11, 17) and gemma.info.n_swa == 512
 
 
+@pytest.mark.slow
 def test_a_corrupt_download_is_a_one_line_error_and_leaves_nothing(tmp_path, monkeypatch):
     """The hash is checked before the file enters the cache (here a wrong hash stands in for a
     corrupt part: the download and assembly are the real ones)."""
