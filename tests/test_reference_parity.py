@@ -5,8 +5,10 @@ no activation quantization and no f16 rounding; what is left is f32 summation or
 float64 reference. Logits are O(1-10) here; 1e-3 absolute is ~100x the observed error (printed
 by -s) and far below any change an eviction makes (asserted too). gemma3's GeGLU is ggml's f16
 lookup table, which the twin reproduces (reference.model.ggml_gelu); an activation within f32 noise
-of an f16 rounding boundary still rounds the other way now and then, one f16 step of one value:
-the largest errors there, 1.6e-4 on logits and 6e-5 on q (layer 3), inside both tolerances."""
+of an f16 rounding boundary still rounds the other way now and then, one f16 step (~5e-4 relative)
+of one activation, carried into every later layer's Q and K: 6e-5 on q of layer 3 with the AVX2
+build, 1.5e-4 with the generic one (another summation order), 1.6e-4 on logits. gemma3's Q/K are
+held to ATOL_QK_GELU, ~7x the largest seen; logits keep 1e-3."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ from kvlite.reference.model import ReferenceModel
 
 ATOL_LOGITS = 1e-3
 ATOL_QK = 1e-4  # q and k are O(1-10): summation-order noise ~1e-6
+ATOL_QK_GELU = 1e-3  # a GeGLU model's (gemma3): the f16 lookup table's rounding flips (above)
+
+
+def atol_qk(info) -> float:
+    return ATOL_QK_GELU if info.ffn_act == "gelu" else ATOL_QK
 
 
 def _tokens(n: int, seed: int, n_vocab: int) -> list[int]:
@@ -53,7 +60,7 @@ def test_prefill_logits_and_qk_match_reference(tiny_path):
     for il in range(info.n_layer):
         for kind in ("q", "k", "q_pre"):
             e = np.abs(cap.get(kind, il) - rcap[(kind, il)].numpy()).max()
-            assert e < ATOL_QK, f"{kind} of layer {il}: {e}"
+            assert e < atol_qk(info), f"{kind} of layer {il}: {e}"
 
 
 def test_decode_after_evictions_with_holes_matches_reference(tiny_path):
@@ -85,8 +92,8 @@ def test_decode_after_evictions_with_holes_matches_reference(tiny_path):
     assert err < ATOL_LOGITS
     assert effect > 100 * ATOL_LOGITS, "the eviction must matter, or this test proves nothing"
     for il in range(info.n_layer):
-        assert np.abs(cap.get("q", il) - rcap[("q", il)].numpy()).max() < ATOL_QK
-        assert np.abs(cap.get("k", il) - rcap[("k", il)].numpy()).max() < ATOL_QK
+        assert np.abs(cap.get("q", il) - rcap[("q", il)].numpy()).max() < atol_qk(info)
+        assert np.abs(cap.get("k", il) - rcap[("k", il)].numpy()).max() < atol_qk(info)
 
 
 def _copy(rc):
