@@ -349,12 +349,26 @@ def main(argv: list[str] | None = None) -> int:
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
+    sys.unraisablehook = _unraisable
     try:
         _return_freed_memory()
         return _main(argv)
     except KeyboardInterrupt:
         print("\nkvlite: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _unraisable(info) -> None:
+    """A Ctrl-C that lands in a callback Python cannot raise from (a weakref callback of the import
+    system's module locks, a __del__) would be printed as an ignored traceback and lost, and the
+    run would go on: it ends the run with the same line instead. There is nothing left to unwind
+    to (the frame that could catch it is gone), so the process exits here."""
+    if issubclass(info.exc_type, KeyboardInterrupt):
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os.write(2, b"\nkvlite: interrupted\n")
+        os._exit(EXIT_INTERRUPTED)
+    sys.__unraisablehook__(info)
 
 
 def _main(argv: list[str] | None) -> int:

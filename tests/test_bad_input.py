@@ -222,6 +222,31 @@ def test_ctrl_c_at_any_moment_of_startup(tiny_paths, delay):
         assert err.strip().splitlines()[-1] == "kvlite: interrupted", err
 
 
+def test_ctrl_c_in_a_callback_python_cannot_raise_from_ends_the_run():
+    # Where a Ctrl-C at 0.2 s once landed: a weakref callback of the import system's module locks.
+    # Python prints such an exception as ignored and goes on; kvlite ends the run as for any Ctrl-C.
+    code = """if True:
+        import sys, weakref
+        from kvlite import cli
+
+        class Lock: pass
+
+        def run(argv):
+            lock = Lock()
+            ref = weakref.ref(lock, lambda _: (_ for _ in ()).throw(KeyboardInterrupt))
+            print("before", flush=True)
+            del lock
+            print("went on")
+            return 0
+
+        cli._main = run
+        sys.exit(cli.main([]))
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (130, "before\n"), proc
+    assert "Traceback" not in proc.stderr and proc.stderr.strip() == "kvlite: interrupted", proc.stderr
+
+
 def test_prompt_longer_than_context_hint_works(tiny_paths):
     """The suggested command fits the context it was suggested for."""
     proc = kvlite("generate", "-m", tiny_paths["llama"], "-p", "x" * 700, "-c", "256")

@@ -15,6 +15,7 @@ from conftest import KVLITE, run_cli
 
 from kvlite.api import Conversation
 from kvlite.engine import Model
+from kvlite.errors import KvliteError
 from kvlite.policies import make_policy
 from kvlite.runner import Runner, RunSettings
 
@@ -84,6 +85,17 @@ def test_interrupted_prefill_forgets_the_turn(conversation):
     assert s.cache.n_pos <= before[0] + 1
     _, stopped = conversation.turn("again", 4, None, lambda: False)
     assert consistent(s)
+
+
+def test_a_turn_longer_than_the_context_is_refused_before_it_is_read(tiny_paths):
+    # prefill-end: the policy evicts once the turn is read, so all of it must fit first
+    runner = Runner(Model(tiny_paths["llama"]), make_policy("snapkv", budget=64), RunSettings(n_ctx=256, chunk=64))
+    conversation = Conversation(runner)
+    conversation.turn("hello", 4, None, lambda: False)
+    before = (runner.cache.positions().tolist(), conversation.rendered)
+    with pytest.raises(KvliteError, match="does not fit in the context"):
+        conversation.turn("x" * 400, 4, None, lambda: False)
+    assert runner.timings.prefill_tokens < 64 and (runner.cache.positions().tolist(), conversation.rendered) == before
 
 
 @pytest.mark.slow
