@@ -382,14 +382,19 @@ def main() -> None:
     unknown = wanted - {s.name for s in plan}
     if unknown:
         sys.exit(f"unknown stage(s) {', '.join(sorted(unknown))}: see --list")
-    walls = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
     if not args.skip_run:
         for stage in plan:
             if stage.name in wanted:
-                walls[stage.name] = walls.get(stage.name, 0.0) + run(stage, out, args.threads)
+                wall = run(stage, out, args.threads)
+                walls = read_walls(out)  # read again: another run of this script may share the folder
+                walls[stage.name] = walls.get(stage.name, 0.0) + wall
                 out.mkdir(parents=True, exist_ok=True)
                 (out / "wall.json").write_text(json.dumps(walls, indent=1))
-    write_document(out, walls, args.quick)
+    write_document(out, read_walls(out), args.quick)
+
+
+def read_walls(out: pathlib.Path) -> dict:
+    return json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
 
 
 def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
