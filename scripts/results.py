@@ -118,10 +118,25 @@ def stages(quick: bool = False) -> list[Stage]:
     # looked for on the tune split, one EchoKV component swapped for LAQ's at a time.
     out += [stage(f"tune-small-{m}-4096", MODELS[m], TASKS, 4096, 8, "tune", small_budget_policies(), [SMALL])
             for m in ("qwen", "smol")]  # fmt: skip
+    # ... and reported on the test split at 64 cells and 1% of the prompt ("small-test", not
+    # "test-": the test tables pool every "test-" stage, and these stages hold full cells again).
+    out += [stage(f"small-test-{m}-{length}", MODELS[m], TASKS, length, N[m], "test", small_test_policies(),
+                  small_budgets(length)) for m in ("smol", "qwen") for length in (2048, 4096)]  # fmt: skip
     return out
 
 
 SMALL = 64
+
+
+def small_budgets(length: int) -> list[int]:
+    return [SMALL, length // 100]
+
+
+def small_test_policies() -> list[str]:
+    """Before and after issue 25: the pick with its kernel of 13, and the pick whose kernel follows
+    the budget (EchoKV's default since: 7 under 128 cells)."""
+    e = echokv_spec()
+    return ["full", "streaming", "snapkv", laq_spec(e), e, e.replace("kernel=13,", "")]
 
 
 def small_budget_policies() -> list[str]:
@@ -158,16 +173,18 @@ def records_of(out: pathlib.Path, prefix: str) -> list[dict]:
 def label(spec: str) -> str:
     """The test grid's explicit EchoKV and LAQ specs read as their names in the tables."""
     e = echokv_spec()
-    return {e: "echokv", laq_spec(e): "laq"}.get(spec, spec)
+    return {e: "echokv", laq_spec(e): "laq", small_test_policies()[-1]: "echokv, kernel by budget"}.get(spec, spec)
 
 
 def length_of(r: dict) -> int:
     return int(r["task"].rsplit("/", 1)[1])
 
 
-def pooled_table(records: list[dict]) -> str:
+def pooled_table(records: list[dict], budgets: list[int] | None = None) -> str:
     """Per model and length: policies as rows, budgets as columns, the score averaged over tasks and
-    samples with its 95% bootstrap interval (resampling samples)."""
+    samples with its 95% bootstrap interval (resampling samples). budgets: the columns (default:
+    BUDGETS; "1%" heads a column of each length's hundredth)."""
+    budgets = budgets or BUDGETS
     by: dict = defaultdict(lambda: defaultdict(list))
     for r in records:
         if "score" in r:
@@ -178,10 +195,11 @@ def pooled_table(records: list[dict]) -> str:
         n = len(full)
         head = f"**{model} · {length} tokens** (n = {n} samples over {len(TASKS)} tasks"
         head += f"; full cache {stats.bootstrap_mean(full).fmt()})\n" if full else ")\n"
-        out += [head, "| policy | " + " | ".join(str(b) for b in BUDGETS) + " |", "|---|" + "---|" * len(BUDGETS)]
+        cols = [length // 100 if b == "1%" else b for b in budgets]
+        out += [head, "| policy | " + " | ".join(map(str, budgets)) + " |", "|---|" + "---|" * len(budgets)]
         for policy in dict.fromkeys(p for p, _ in cells if p != "full"):
             row = []
-            for b in BUDGETS:
+            for b in cols:
                 v = cells.get((policy, b))
                 row.append(f"{stats.bootstrap_mean(v).fmt()}" + ("" if len(v) == n else f" (n={len(v)})") if v else "")
             out.append(f"| {label(policy)} | " + " | ".join(row) + " |")
@@ -341,6 +359,56 @@ def chat_claims(records: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + report.compare_markdown(records, pairs, BUDGETS, group)
 
 
+def small_test_section(records: list[dict]) -> str:
+    """Issue 25 on the test split: scores at 64 cells and 1% of the prompt, and EchoKV (before:
+    kernel 13; after: the kernel by budget) against LAQ, paired by sample."""
+    e, laq = echokv_spec(), laq_spec(echokv_spec())
+    after = small_test_policies()[-1]
+    budgets = sorted({b for length in (2048, 4096) for b in small_budgets(length)})
+    pairs = [(after, laq), (e, laq), (after, e), (after, "snapkv"), (after, "streaming")]
+    group = lambda r: f"{r['model']} · {length_of(r)}"  # noqa: E731
+    return (pooled_table(records, [SMALL, "1%"]) + "\nPaired differences (** where the interval excludes 0):\n\n"
+            + report.compare_markdown(records, pairs, budgets, group, label))  # fmt: skip
+
+
+def small_budget_table(records: list[dict]) -> str:
+    """Issue 25, tune split at SMALL cells: per model and policy, the score, the share of the
+    evidence in each lookahead workspace and in the kept cells, and where the kept cells went: the
+    closing question (its last question_tokens), the evidence, the rest; and in how many separate
+    runs the cells outside the sinks and the question lie (a max-pool keeps a run per peak)."""
+    by: dict = defaultdict(list)
+    for r in records:
+        if "score" in r and r["budget"] == SMALL:
+            by[(r["model"], r["policy"])].append(r)
+    head = ["model", "policy", "score [95% CI]", "evidence in W1", "in W2", "evidence kept", "cells on the question",
+            "on the evidence", "elsewhere", "runs in the document", "n"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for (model, policy), rs in sorted(by.items()):
+        views = [[r["workspace_evidence"][i] for r in rs if len(r["workspace_evidence"]) > i] for i in (0, 1)]
+        row = [model, policy, stats.bootstrap_mean([r["score"] for r in rs]).fmt()]  # two LAQs: specs, not labels
+        row += [f"{100 * np.mean(v):.0f}%" if v else "-" for v in views]
+        row.append(f"{100 * np.mean([r['evidence_kept'] for r in rs]):.0f}%")
+        row += [f"{v:.1f}" for v in np.mean([kept_parts(r) for r in rs], axis=0)]
+        lines.append("| " + " | ".join([*row, str(len(rs))]) + " |")
+    e = echokv_spec()
+    swapped = small_budget_policies()[4:]
+    pairs = [(e, laq_spec(e)), (e, "laq"), *((p, e) for p in swapped), (swapped[0], laq_spec(e))]
+    paired = report.compare_markdown(records, pairs, [SMALL], lambda r: r["model"], str)
+    return "\n".join(lines) + "\n\nPaired by sample (** where the interval excludes 0):\n\n" + paired
+
+
+def kept_parts(r: dict) -> tuple[int, int, int, int]:
+    """(cells on the closing question, on the evidence, elsewhere past the sinks, runs of kept
+    cells between the sinks and the question)."""
+    kept = np.asarray(r["kept"])
+    kept = kept[kept >= 4]  # past the sinks
+    question = kept >= r["prompt_tokens"] - (r["question_tokens"] or 0)
+    evidence = np.isin(kept, r["evidence"]) & ~question
+    document = kept[~question]
+    runs = int(len(document) > 0) + int(np.sum(np.diff(document) > 1))
+    return int(question.sum()), int(evidence.sum()), int((~question & ~evidence).sum()), runs
+
+
 KVZIP = "kvzip(C=512,pair_vote=selective,kernel=7)"  # the default, spelled out (docs/policies.md)
 KVZIP_VOTES = "kvzip(C=512,pair_vote=votes,kernel=0)"  # KVzip's own threshold, read at token level
 KVZIP_VOTES_CHAT = "kvzip(evict=eager,pair_vote=votes,kernel=0)"  # beside the chat grid's kvzip(evict=eager)
@@ -403,6 +471,8 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     test = records_of(out, "test-")
     decode = records_of(out, "decode-")
     chat = records_of(out, "chat-")
+    small = records_of(out, "tune-small-")
+    small_test = records_of(out, "small-test-")
     images = []
     evo = next((r for r in decode if r.get("evolution") and r["policy"].startswith("cc(")), None)
     evo = evo or next((r for r in decode if r.get("evolution")), None)
@@ -431,6 +501,11 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         claims_table(test) if test else "(not run yet)",
         "\n### Fidelity to the full cache (test split)\n",
         fidelity_table(test) if test else "(not run yet)",
+        "\n## EchoKV at 64 cells: the cause, on the tune split (issue 25)\n",
+        SMALL_BUDGET,
+        small_budget_table(small) if small else "(not run yet)",
+        "\n### Small budgets on the test split (issue 25)\n",
+        small_test_section(small_test) if small_test else "(not run yet)\n",
         "\n## Protecting the question (tune split, prefill-end)\n",
         protect_table(records_of(out, "tune-protect")),
         "\n## Decode-heavy: list recall in chunked mode\n",
@@ -466,6 +541,15 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     target = ROOT / "docs" / "results.md" if not quick else out / "results.md"
     target.write_text("\n".join(sections) + "\n")
     print(f"wrote {target}")
+
+
+SMALL_BUDGET = """Held-out Qwen documents (issue 25) showed EchoKV at 64 cells answering only a code's first
+digit where LAQ kept all of it. Each row below swaps one EchoKV component for LAQ's on the tune
+split (8 samples of each task at 4K): its max-pool smoothing (kernel 13 to 7), its workspace size
+(B1 512 to 1024), its anchors (S 16 to 1). W1, W2: the share of the gold statement's tokens in each
+lookahead workspace; then where the kept cells past the 4 sinks went (the closing question's
+tokens, the statement's, the rest), and in how many separate runs the rest lies.
+"""
 
 
 PROTOCOL = """## Protocol

@@ -85,10 +85,21 @@ def test_scores_reused_across_budgets_equal_fresh_ones(tiny_model, prompt):
         shared.scores.clear()
 
 
+def test_echokv_smooths_less_under_128_cells_and_no_score_crosses_that_line(tiny_model, prompt):
+    # issue 25: the search's max-pool of 13 (picked at 128 and 256 cells) cut codes at 64
+    assert [EchoKV(budget=b).pool_kernel for b in (None, 20, 64, 127, 128, 256)] == [13, 7, 7, 7, 13, 13]
+    assert EchoKV(budget=64, pool_kernel=13).pool_kernel == 13 and make_policy("hybrid", budget=64).pool_kernel == 7
+    shared, fresh = SampleRun(tiny_model, prompt, tail=32), SampleRun(tiny_model, prompt, tail=32)
+    shared.cell(EchoKV(budget=128, lookahead=4, workspace=128), reuse="e")
+    small = shared.cell(EchoKV(budget=64, lookahead=4, workspace=128), reuse="e")
+    again = fresh.cell(EchoKV(budget=64, lookahead=4, workspace=128))
+    assert not small["scores_reused"] and small["kept"] == again["kept"]
+
+
 def test_votes_scores_are_not_reused(tiny_model, prompt):
     run = SampleRun(tiny_model, prompt, tail=32)
     run.cell(SnapKV(budget=64, aggregation="votes"), reuse="v")
-    assert "v" not in run.scores  # votes depend on the budget
+    assert not run.scores  # votes depend on the budget
     assert not run.cell(SnapKV(budget=40, aggregation="votes"), reuse="v")["scores_reused"]
 
 
@@ -306,7 +317,7 @@ def test_a_conversation_from_shared_work_equals_one_that_does_it_all(tiny_model,
         shared = multiturn.run_conversation(tiny_model, sample, other, evict, document=document, memo=(memo, spec))
         for key in ("outputs", "turn_scores", "turns", "evicted", "max_cells", "cap", "workspace_forward_passes"):
             assert plain[key] == shared[key], (budget, key)
-        assert shared["time"]["prefill_s"] < plain["time"]["prefill_s"]
+        assert shared["prefill_tokens"] + len(document.tokens) == plain["prefill_tokens"]  # (not seconds: noisy)
         assert shared["scores_reused"] == (budget == 48)
     assert len(memo) == 2  # the scores, and what computing them cost
 

@@ -132,7 +132,7 @@ class SampleRun:
         self.tail = max(1, min(tail, n - 1)) if n > 1 else 1
         self.n_ctx = n + prompt.max_new_tokens + extra_ctx + 8
         self.reference: Reference | None = None
-        self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by policy spec (ScoreMemo)
+        self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by spec and scoring key (ScoreMemo)
         t0 = time.perf_counter()
         self.snapshot = read_prefix(model, prompt.tokens[: n - self.tail], self.n_ctx, n_threads)
         self.prefix_s = time.perf_counter() - t0
@@ -161,7 +161,9 @@ class SampleRun:
         n = len(prompt.tokens)
         t0 = time.perf_counter()
         reusable = reuse is not None and not policy.scores_depend_on_budget() and not policy.continuous
-        memo = ScoreMemo(policy, self.scores, reuse) if reusable else None
+        # keyed by what the scores depend on too: a default worked out from the budget (EchoKV's
+        # smoothing) makes two budgets of one spec score differently
+        memo = ScoreMemo(policy, self.scores, f"{reuse} {policy.scoring_key()}") if reusable else None
         runner = self.runner(memo or policy, chunk)
         if evolution and policy.continuous:
             runner.history = []

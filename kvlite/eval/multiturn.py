@@ -78,7 +78,8 @@ def run_conversation(
     conversation and this cell's key in it (its policy and mode, not its budget): the first
     eviction's scores are computed once (FirstEviction)."""
     if memo is not None and not policy.scores_depend_on_budget() and not policy.continuous:
-        policy = FirstEviction(policy, *memo)
+        store, name = memo
+        policy = FirstEviction(policy, store, f"{name} {policy.scoring_key()}")  # as SampleRun.cell keys it
     n_ctx = conversation_cap(model, sample, policy)
     settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads)
     conv = Session(model, policy, settings).conversation(evict=evict)
@@ -106,6 +107,7 @@ def run_conversation(
             "max_cells": cache.max_cells,
             "evicted": cache.evicted,
             "workspace_forward_passes": conv.runner.workspace_forward_passes,
+            "prefill_tokens": t.prefill_tokens,  # read by this cell (a shared document's are not)
             "scores_reused": bool(getattr(policy, "reused", False)),
             "time": {
                 "cell_s": time.perf_counter() - t0,

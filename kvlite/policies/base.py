@@ -101,6 +101,8 @@ class Policy:
     # What the scores are computed from, for `kvlite info`; {layers}: the layers scored on a model
     reads: ClassVar[str] = ""
     refresh_every_token: ClassVar[bool] = False  # chunked: also refresh after every generated token
+    # How a default that the policy works out (a None field) reads in help and docs, by field name
+    default_notes: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def params(cls) -> dict[str, Param]:
@@ -122,7 +124,7 @@ class Policy:
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
-        return {f.name: f.default for f in dataclasses.fields(cls)}
+        return {f.name: cls.default_notes.get(f.name, f.default) for f in dataclasses.fields(cls)}
 
     @classmethod
     def scores_on(cls, info: ModelInfo) -> str:
@@ -166,6 +168,12 @@ class Policy:
                 f"{self.flag('budget')} {self.budget} leaves no room beside {self.sinks} sinks and a recent window of "
                 f"{max(self.window, 1)}: use a budget above {self.sinks + max(self.window, 1)}"
             )
+
+    def scoring_key(self) -> tuple:
+        """Every parameter but selection's (budget, sinks, window): cells of one policy at other
+        budgets whose keys are equal score a prompt alike (when the scores do not depend on the budget)."""
+        return (self.name, *((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                             if f.name not in ("budget", "sinks", "window")))  # fmt: skip
 
     def scores_depend_on_budget(self) -> bool:
         """False when the scores are the same at every budget (only the cut moves), so an evaluation

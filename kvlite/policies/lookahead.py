@@ -5,6 +5,7 @@ Both decode T tokens on the workspace (sequence 1); the live cache is untouched 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import numpy as np
 
@@ -12,6 +13,8 @@ from ..errors import KvliteError
 from .attention import AttentionPolicy, anchors_param, lookahead_param, observation_param
 from .base import param
 from .observe import Observation
+
+SMALL_BUDGET = 128  # below it EchoKV smooths with LAQ's max-pool of 7 (the tune split at 64 cells)
 
 
 @dataclasses.dataclass
@@ -69,8 +72,16 @@ class EchoKV(LookaheadPolicy):
     # on accuracy; the search's tie-break (lower KL) chose 16.
     anchors: int = anchors_param(16)
     lookahead: int = 24
-    pool_kernel: int = 13
+    # None: 13, the search's pick at 128 and 256 cells, or 7 under SMALL_BUDGET cells. A max-pool
+    # keeps a centred run of `kernel` cells around each peak; at 64 cells the closing question
+    # holds ~21, and runs of 13 cut a code's first digits (docs/policies.md, "Small budgets").
+    pool_kernel: int | None = None
     workspace: int = 512
+    default_notes: ClassVar[dict[str, str]] = {"pool_kernel": "13, 7 under 128 cells"}
+
+    def __post_init__(self):
+        if self.pool_kernel is None:
+            self.pool_kernel = 7 if self.budget is not None and self.budget < SMALL_BUDGET else 13
 
     def validate(self) -> None:
         super().validate()
