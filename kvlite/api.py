@@ -240,7 +240,7 @@ class Conversation:
         extra = runner.policy.lookahead_cells()
         if self.evict == "eager":
             # A policy that evicts only once the turn is read needs room for all of it: said now,
-            # not after prefilling up to the cap (6,000 words took 42 s to be refused).
+            # not after prefilling up to the cap.
             if not runner.policy.continuous and cache.n_resident + n_new + extra > self.cap:
                 raise KvliteError(f"a message of {n_new} tokens does not fit in the context beside the "
                                   f"{cache.n_resident} cells it holds (cap {self.cap}): raise -c or evict in "

@@ -502,7 +502,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "\n### Fidelity to the full cache (test split)\n",
         fidelity_table(test) if test else "(not run yet)",
         "\n## EchoKV at 64 cells: the cause, on the tune split (issue 25)\n",
-        SMALL_BUDGET,
+        SMALL_BUDGET_TEXT,
         small_budget_table(small) if small else "(not run yet)",
         "\n### Small budgets on the test split (issue 25)\n",
         small_test_section(small_test) if small_test else "(not run yet)\n",
@@ -543,7 +543,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     print(f"wrote {target}")
 
 
-SMALL_BUDGET = """Held-out Qwen documents (issue 25) showed EchoKV at 64 cells answering only a code's first
+SMALL_BUDGET_TEXT = """Held-out Qwen documents (issue 25) showed EchoKV at 64 cells answering only a code's first
 digit where LAQ kept all of it. Each row below swaps one EchoKV component for LAQ's on the tune
 split (8 samples of each task at 4K): its max-pool smoothing (kernel 13 to 7), its workspace size
 (B1 512 to 1024), its anchors (S 16 to 1). W1, W2: the share of the gold statement's tokens in each

@@ -73,11 +73,11 @@ class EchoKV(LookaheadPolicy):
     anchors: int = anchors_param(16)
     lookahead: int = 24
     # None: 13, the search's pick at 128 and 256 cells, or 7 under SMALL_BUDGET cells. A max-pool
-    # keeps a centred run of `kernel` cells around each peak; at 64 cells the closing question
-    # holds ~21, and runs of 13 cut a code's first digits (docs/policies.md, "Small budgets").
+    # keeps a centred run of `kernel` cells around each peak; in a small budget, where the closing
+    # question holds a third of the cells, runs of 13 cut a code's first digits (docs/policies.md).
     pool_kernel: int | None = None
     workspace: int = 512
-    default_notes: ClassVar[dict[str, str]] = {"pool_kernel": "13, 7 under 128 cells"}
+    default_notes: ClassVar[dict[str, str]] = {"pool_kernel": f"13, 7 under {SMALL_BUDGET} cells"}
 
     def __post_init__(self):
         if self.pool_kernel is None:
