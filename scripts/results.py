@@ -135,8 +135,8 @@ def small_budgets(length: int) -> list[int]:
 def small_test_policies() -> list[str]:
     """Before and after issue 25: the pick with its kernel of 13, and the pick whose kernel follows
     the budget (EchoKV's default since: 7 under 128 cells)."""
-    e = echokv_spec()
-    return ["full", "streaming", "snapkv", laq_spec(e), e, e.replace("kernel=13,", "")]
+    e = echokv_spec()  # no snapkv: its observation window alone (32) is over 1% of 2K
+    return ["full", "streaming", laq_spec(e), e, e.replace("kernel=13,", "")]
 
 
 def small_budget_policies() -> list[str]:
@@ -365,7 +365,7 @@ def small_test_section(records: list[dict]) -> str:
     e, laq = echokv_spec(), laq_spec(echokv_spec())
     after = small_test_policies()[-1]
     budgets = sorted({b for length in (2048, 4096) for b in small_budgets(length)})
-    pairs = [(after, laq), (e, laq), (after, e), (after, "snapkv"), (after, "streaming")]
+    pairs = [(after, laq), (e, laq), (after, e), (after, "streaming")]
     group = lambda r: f"{r['model']} · {length_of(r)}"  # noqa: E731
     return (pooled_table(records, [SMALL, "1%"]) + "\nPaired differences (** where the interval excludes 0):\n\n"
             + report.compare_markdown(records, pairs, budgets, group, label))  # fmt: skip
@@ -548,7 +548,15 @@ digit where LAQ kept all of it. Each row below swaps one EchoKV component for LA
 split (8 samples of each task at 4K): its max-pool smoothing (kernel 13 to 7), its workspace size
 (B1 512 to 1024), its anchors (S 16 to 1). W1, W2: the share of the gold statement's tokens in each
 lookahead workspace; then where the kept cells past the 4 sinks went (the closing question's
-tokens, the statement's, the rest), and in how many separate runs the rest lies.
+tokens, the statement's, the rest), and in how many separate runs the cells between the sinks
+and the question lie.
+
+On Qwen the smoothing is the cause: with 13 the run over the statement is centred on its peak at
+the statement's end, six of its cells fall after it and the code's first digits are cut (37% of
+the statement kept against 56% with 7); EchoKV with 7 is level with LAQ, and neither the workspace
+size nor the anchors move it. On SmolLM2 no policy holds the statement at 64 cells of 4K, and the
+kernel changes nothing. EchoKV now smooths with 7 under 128 cells (docs/policies.md, "Small
+budgets"); the test split's check is the next table.
 """
 
 
@@ -643,6 +651,12 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   SmolLM2 (+0.06 [-0.06, 0.19] at 128, +0.18 [-0.02, 0.38] at 256) and behind it on Qwen (-0.31
   [-0.44, -0.19], -0.17 [-0.28, -0.08]); KVzip alone is behind EchoKV on both models (-0.12 to
   -0.55). Query-agnostic scoring did not pay on these models outside the prose it was chosen on.
+
+- **Gemma-3-270M** (issue 24; a base model prompted as a plain completion, sliding-window layers
+  scored on their global layers): its stages are under way, and its rows carry their n. No claim
+  rests on them until they reach the protocol's 24 samples per task.
+- **Small budgets** (issue 25): the tune split's finding is above (EchoKV's smoothing at 64 cells
+  on Qwen); the test split's check at 64 cells and 1% of the prompt has not run yet.
 
 ## What to use
 

@@ -192,8 +192,7 @@ class SampleRun:
             "prompt_tokens": n,
             "generated": out,
             "kept": kept,
-            "evidence": prompt.evidence,  # where kept cells fell: evidence, the question, elsewhere
-            "question_tokens": prompt.question_tokens,
+            "question_tokens": prompt.question_tokens,  # where kept cells fell (the grid adds the evidence)
             "evidence_kept": metrics.retention(kept, prompt.evidence) if policy.budget else None,
             "workspace_evidence": [metrics.retention(v, prompt.evidence) for v in views],
             "workspace_sizes": [len(v) for v in views],
