@@ -180,7 +180,7 @@ def length_of(r: dict) -> int:
     return int(r["task"].rsplit("/", 1)[1])
 
 
-def pooled_table(records: list[dict], budgets: list[int] | None = None) -> str:
+def pooled_table(records: list[dict], budgets: list[int | str] | None = None) -> str:
     """Per model and length: policies as rows, budgets as columns, the score averaged over tasks and
     samples with its 95% bootstrap interval (resampling samples). budgets: the columns (default:
     BUDGETS; "1%" heads a column of each length's hundredth)."""
