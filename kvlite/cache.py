@@ -13,9 +13,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .engine import LIVE, WORKSPACE, Context, kvstate
+from .engine import LIVE, WORKSPACE, Context, cachetypes, kvstate
 from .errors import KvliteError
 from .models import ModelInfo
+from .native import native
 
 
 def runs(positions: np.ndarray) -> list[tuple[int, int]]:
@@ -45,10 +46,15 @@ class CachedKV:
     state export one layer at a time (kvstate.StateFile), so an eviction holds one layer, not the
     cache twice. positions: [n] ascending; layer(il): keys [n_head_kv, n, head_dim] in that order, as
     attention reads them; k_rows/v_rows(il): the rows as stored. layers: the model's layers whose
-    cache holds every cell (all but sliding-window ones, ModelInfo.full_layers), the ones readable."""
+    cache holds every cell (all but sliding-window ones, ModelInfo.full_layers), the ones readable.
+    Rows of a quantized or bf16 cache come back as float32 vectors as the model made them:
+    dequantized by ggml, then rotated back by the Hadamard matrices of `rotations` (K's and V's
+    sizes, 0: none; Context.rotations), so every score reads the same vectors whatever the type."""
 
-    def __init__(self, sf: kvstate.StateFile, info: ModelInfo):
+    def __init__(self, sf: kvstate.StateFile, info: ModelInfo, rotations: tuple[int, int] = (0, 0)):
         self.file, self.n_head_kv = sf, info.n_head_kv
+        self.rotations = rotations
+        self.n_embd_kv = info.n_head_kv * info.head_dim
         self.order = sf.by_position
         self.positions = sf.pos[self.order]
         self.layers = info.full_layers
@@ -64,15 +70,27 @@ class CachedKV:
     def layer(self, il: int, cells: np.ndarray | None = None) -> np.ndarray:
         """Layer il's keys [n_head_kv, n, head_dim]; cells: only these (indices into `positions`)."""
         order = self.order if cells is None else self.order[cells]
-        rows = self.file.k(self._at(il), order)  # [n, n_head_kv * head_dim]
+        rows = self._k(il, order)  # [n, n_head_kv * head_dim]
         return np.ascontiguousarray(rows.reshape(len(order), self.n_head_kv, -1).transpose(1, 0, 2))
 
     def k_rows(self, il: int) -> np.ndarray:
-        """Layer il's K rows [n, n_head_kv * head_dim] as stored, in the order of `positions`."""
-        return self.file.k(self._at(il), self.order)
+        """Layer il's K rows [n, n_head_kv * head_dim] (f32 or f16 as stored; other types as f32), in
+        the order of `positions`."""
+        return self._k(il, self.order)
 
     def v_rows(self, il: int) -> np.ndarray:
-        return self.file.v(self._at(il), self.order)
+        at = self._at(il)
+        return self._floats(self.file.v(at, self.order), self.file.layout.v_types[at][0], self.rotations[1])
+
+    def _k(self, il: int, order: np.ndarray) -> np.ndarray:
+        at = self._at(il)
+        return self._floats(self.file.k(at, order), self.file.layout.k_types[at][0], self.rotations[0])
+
+    def _floats(self, rows: np.ndarray, ggml_type: int, rotation: int) -> np.ndarray:
+        if rows.dtype in (np.float32, np.float16):  # numpy reads them as they are
+            return rows
+        raw = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)  # bf16 bits or quantized blocks
+        return cachetypes.unrotate(native().to_float(ggml_type, raw, self.n_embd_kv), rotation)
 
     def close(self) -> None:
         self.file.close()
@@ -138,7 +156,7 @@ class KVCache:
 
     def cached_kv(self) -> CachedKV:
         """The live sequence's cached K/V, to be read a layer at a time (closed with it, or by GC)."""
-        return CachedKV(self._live_file("reading the live cache"), self.ctx.model.info)
+        return CachedKV(self._live_file("reading the live cache"), self.ctx.model.info, self.ctx.rotations)
 
     def _live_file(self, purpose: str) -> kvstate.StateFile:
         if self.workspace_active:

@@ -81,8 +81,19 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     _add_policy_args(p)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk; in chunked mode also the refresh interval h")
-    p.add_argument("-fa", "--flash-attn", action="store_true",
-                   help="flash attention (faster prefill; off by default: slower decode on CPU)")  # fmt: skip
+    _add_cache_type_args(p)
+
+
+def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's -ctk/-ctv/-fa (kvlite.engine.cachetypes checks them, for every surface)."""
+    from .engine.cachetypes import CACHE_TYPES
+
+    for short, long, what in (("-ctk", "--cache-type-k", "K"), ("-ctv", "--cache-type-v", "V")):
+        p.add_argument(short, long, default="f16", metavar="TYPE",
+                       help=f"{what} cache type: {', '.join(CACHE_TYPES)} (default: f16)")  # fmt: skip
+    p.add_argument("-fa", "--flash-attn", nargs="?", const="on", default="auto", metavar="on|off|auto",
+                   help="flash attention; auto (default): on where a quantized V cache needs it, else off "
+                   "(off decodes faster on CPU)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +160,7 @@ def _settings_from_args(args):
 
     sampling = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return RunSettings(n_ctx=args.ctx_size, chunk=args.chunk, sampling=sampling, n_threads=args.threads,
-                       flash_attn=args.flash_attn)  # fmt: skip
+                       flash_attn=args.flash_attn, type_k=args.cache_type_k, type_v=args.cache_type_v)  # fmt: skip
 
 
 def _note_ctx(n_ctx: int) -> None:

@@ -24,7 +24,7 @@ from .errors import KvliteError
 if TYPE_CHECKING:
     from .models import ModelInfo
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 _LIB_NAME = {"darwin": "libkvlite_native.dylib", "win32": "kvlite_native.dll"}.get(sys.platform, "libkvlite_native.so")
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -128,6 +128,9 @@ class Native:
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+        lib.kvl_to_float.restype = ctypes.c_int
+        lib.kvl_to_float.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        lib.kvl_to_float.argtypes += [ctypes.c_int64] * 2
         lib.kvl_rope.restype = ctypes.c_int
         lib.kvl_rope.argtypes = [ctypes.c_void_p, ctypes.POINTER(RopeParams), ctypes.c_void_p, ctypes.c_void_p]
         lib.kvl_rope.argtypes += [ctypes.c_int] * 3 + [ctypes.c_void_p]
@@ -235,6 +238,19 @@ class Native:
         )  # fmt: skip
         if rc != 0:
             raise KvliteError(f"native attn_pool failed (status {rc}) for q{q.shape} k{k.shape}")
+        return out
+
+    def to_float(self, ggml_type: int, rows: np.ndarray, n_per_row: int) -> np.ndarray:
+        """Rows of a ggml type as llama.cpp stores them (uint8 [n, row bytes]) widened to float32
+        [n, n_per_row] by ggml's type traits (a quantized or bf16 cache's rows)."""
+        rows = np.ascontiguousarray(rows, dtype=np.uint8)
+        if rows.ndim != 2:
+            raise KvliteError(f"to_float wants rows [n, row bytes], got {rows.shape}")
+        out = np.empty((rows.shape[0], n_per_row), np.float32)
+        rc = self._lib.kvl_to_float(ggml_type, _ptr(rows), rows.shape[1], _ptr(out), rows.shape[0], n_per_row)
+        if rc != 0:
+            raise KvliteError(f"to_float: rows{rows.shape} are not rows of {n_per_row} values of ggml type "
+                              f"{ggml_type} (status {rc})")  # fmt: skip
         return out
 
     def rope(self, rope: RopeParams, x: np.ndarray, positions: np.ndarray) -> np.ndarray:

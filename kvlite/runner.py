@@ -10,7 +10,7 @@ import numpy as np
 
 from .cache import KVCache, Snapshot
 from .engine import Capture, Context, Model, Sampler, SamplingParams
-from .engine.context import KV_TYPES
+from .engine.cachetypes import check_types
 from .errors import KvliteError
 from .policies import FullKV, Policy
 from .policies.observe import Observation
@@ -25,14 +25,16 @@ SPLIT_OBSERVED = 64  # a chunk's observed tail gets its own batch when this many
 class RunSettings:
     """How a model is run, whatever the policy: the one object the CLI, the Python API, chat and
     evaluation pass around. n_ctx: context cells, 0 = as needed (plan_context); chunk: the prefill
-    batch, and chunked mode's refresh interval h."""
+    batch, and chunked mode's refresh interval h; flash_attn, type_k, type_v: -fa, -ctk, -ctv
+    (kvlite.engine.cachetypes)."""
 
     n_ctx: int = 0
     chunk: int = DEFAULT_CHUNK
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     n_threads: int | None = None
-    flash_attn: bool = False
-    kv_type: str = "f16"
+    flash_attn: str = "auto"
+    type_k: str = "f16"
+    type_v: str = "f16"
 
     def __post_init__(self):
         if self.n_ctx < 0:
@@ -41,8 +43,7 @@ class RunSettings:
             raise KvliteError(f"--chunk must be positive, got {self.chunk}")
         if self.n_threads is not None and self.n_threads <= 0:
             raise KvliteError(f"-t must be positive, got {self.n_threads}")
-        if self.kv_type not in KV_TYPES:
-            raise KvliteError(f"the KV type must be one of {', '.join(KV_TYPES)}, got '{self.kv_type}'")
+        object.__setattr__(self, "flash_attn", check_types(self.type_k, self.type_v, self.flash_attn))
 
 
 @dataclasses.dataclass
@@ -140,11 +141,9 @@ class Runner:
         # The capture is switched on and off around the tokens whose queries the policy reads
         # (a hidden-state capture stays on: every token's row is kept).
         self.watches_queries = self.capture is not None and not self.policy.needs_hidden
-        if self.capture is not None and settings.flash_attn:
-            raise KvliteError(f"--policy {self.policy.name} observes attention: drop --flash-attn")
         self.ctx = Context(model, settings.n_ctx, n_batch=settings.chunk, n_threads=settings.n_threads,
-                           flash_attn=settings.flash_attn, kv_type=settings.kv_type, capture=self.capture,
-                           swa_full=self.policy.lookahead_cells() > 0)  # fmt: skip
+                           flash_attn=settings.flash_attn, type_k=settings.type_k, type_v=settings.type_v,
+                           capture=self.capture, swa_full=self.policy.lookahead_cells() > 0)  # fmt: skip
         hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
         self.cache = KVCache(self.ctx, hidden_layer=hidden_layer)
         self.observed: dict[str, np.ndarray] = {}  # queries of the last tokens fed, per kind [L, n, H, D]
@@ -376,7 +375,10 @@ class Runner:
         return out, stopped
 
     def cache_report(self, n_prompt: int) -> dict:
+        """kv_bytes: the K and V bytes the resident cells take (a sliding layer's at most its window's)."""
         kept = self.kept_positions if self.kept_positions is not None else self.cache.positions()
+        info, cells = self.model.info, self.cache.n_resident
+        layer_cells = len(info.full_layers) * cells + len(info.swa_layers) * min(cells, info.n_swa or cells)
         return {
             "budget": self.policy.budget,
             "n_ctx": self.ctx.n_ctx,
@@ -386,4 +388,7 @@ class Runner:
             "kept_positions": [int(p) for p in kept if p < n_prompt],
             "workspace_forward_passes": self.workspace_forward_passes,
             "kv_buffers": self.ctx.kv_buffers,
+            "type_k": self.ctx.type_k,
+            "type_v": self.ctx.type_v,
+            "kv_bytes": layer_cells * self.ctx.layer_cell_bytes,
         }

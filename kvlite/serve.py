@@ -525,7 +525,7 @@ class Server:
         meta = {"format": SLOT_FORMAT, "model": self.model.path.name, "model_bytes": self.model.path.stat().st_size,
                 "policy": policy.name, "params": policy_params(policy), "evict": conv.evict,
                 "messages": conv.messages, "rendered": conv.rendered, "conversation_id": slot.conversation_id,
-                "evicted": conv.runner.cache.evicted}  # fmt: skip
+                "evicted": conv.runner.cache.evicted, "cache": _cache_layout(conv.runner.ctx)}  # fmt: skip
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), "live": snap.live,
                   "tokens": np.asarray(snap.tokens, np.int32), "blob": np.frombuffer(snap.blob, np.uint8)}  # fmt: skip
         if snap.hidden is not None:
@@ -561,6 +561,10 @@ class Server:
             policy = make_policy(meta["policy"], **meta["params"])
             session = Session(self.model, policy, self.cfg.settings)
             conv = session.conversation(evict=meta["evict"])
+            saved, here = meta.get("cache", _F16_LAYOUT), _cache_layout(conv.runner.ctx)
+            if saved != here:  # llama.cpp would load a rotated cache into an unrotated one without a word
+                conv.runner.close()
+                raise ApiError(400, f"{path.name} holds a {_describe(saved)} cache; this server's is {_describe(here)}")
             hidden_layer = conv.runner.cache.hidden_layer
             snap = Snapshot(arrays["blob"].tobytes(), tuple(int(t) for t in arrays["tokens"]), arrays["live"],
                             arrays.get("hidden"), hidden_layer if "hidden" in arrays else None)  # fmt: skip
@@ -594,6 +598,21 @@ class Server:
             if s.conversation is not None:
                 s.conversation.runner.close()
                 s.conversation = None
+
+
+_F16_LAYOUT = {"type_k": "f16", "type_v": "f16", "rotations": [0, 0]}  # slot files from before cache types
+
+
+def _cache_layout(ctx) -> dict:
+    """What a state blob's bytes mean: the cache types and llama.cpp's rotation of them."""
+    return {"type_k": ctx.type_k, "type_v": ctx.type_v, "rotations": list(ctx.rotations)}
+
+
+def _describe(layout) -> str:
+    if not isinstance(layout, dict):
+        return "unknown"
+    rot = "rotated" if any(layout.get("rotations", [])) else "unrotated"
+    return f"-ctk {layout.get('type_k')} -ctv {layout.get('type_v')} ({rot})"
 
 
 def _key(policy: Policy, evict: str) -> str:

@@ -28,6 +28,19 @@ void kvl_set_threads(struct kvl_ctx * c, int n_threads) {
     if (c) ggml_backend_cpu_set_n_threads(c->backends[c->n_backends - 1], n_threads > 0 ? n_threads : 1);
 }
 
+// n_rows rows of n_per_row values of a ggml type (a KV cache's bf16, q8_0, q4_0, ...) widened to
+// f32 by ggml's own type traits: the dequantization llama.cpp's kernels use.
+// row_bytes: the caller's row size, checked against the type's.
+int kvl_to_float(int type, const void * src, int64_t row_bytes, float * dst, int64_t n_rows, int64_t n_per_row) {
+    if (type < 0 || type >= GGML_TYPE_COUNT) return KVL_BAD_TYPE;
+    const struct ggml_type_traits * t = ggml_get_type_traits((enum ggml_type) type);
+    if (!t->to_float || t->blck_size <= 0 || n_per_row % t->blck_size) return KVL_BAD_TYPE;
+    const size_t row = ggml_row_size((enum ggml_type) type, n_per_row);
+    if ((size_t) row_bytes != row) return KVL_BAD_SHAPE;
+    for (int64_t r = 0; r < n_rows; r++) t->to_float((const char *) src + (size_t) r * row, dst + r * n_per_row, n_per_row);
+    return KVL_OK;
+}
+
 const char * kvl_device(const struct kvl_ctx * c) { return ggml_backend_name(c->backends[0]); }
 
 void kvl_free(struct kvl_ctx * c) {

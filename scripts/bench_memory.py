@@ -4,9 +4,13 @@ One process per policy (so each peak is its own), the same prompt (prose, 8K tok
 default), prefill-end eviction to --budget. Target (issue 12): every scored policy within 1.15x
 of full. The ratio is the number to read; absolute MB depend on the build and the allocator. On a
 CUDA machine (nvidia-smi present) each run's peak device memory is printed beside it.
-Memory does not depend on what else runs, so this can share the CPU (its seconds cannot).
+--kv-types f16,q8_0,q4_0 runs every policy with each cache type (-ctk/-ctv), each against the full
+cache of its own type, and prints the resident cells' K and V bytes and their share of the full
+cache of the first type listed: the two savings multiply (issue 26). Memory does not depend on
+what else runs, so this can share the CPU; its decode tok/s cannot.
 
-usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--json] [kvlite flags]
+usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--kv-types f16] [--json]
+       [kvlite flags]
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--policies", default=POLICIES, help="comma-separated; full is always run first")
     ap.add_argument("-n", "--n-predict", type=int, default=16)
+    ap.add_argument("--kv-types", default="f16", help="comma-separated cache types, each for K and V")
     ap.add_argument("--json", action="store_true")
     args, flags = ap.parse_known_args()  # other flags go to every evicting run: --repeat-chunk 128
     model = Model(default_model_path())
@@ -104,22 +109,31 @@ def main() -> None:
         prompt = os.path.join(d, "prompt.txt")
         pathlib.Path(prompt).write_text(model.detokenize(prose_tokens(model, args.tokens)))
         del model
-        for name in names:
-            budget = [] if name == "full" else ["--budget", str(args.budget), *flags]
-            r = generate_peak(prompt, "--policy", name, *budget, "-n", str(args.n_predict))
-            rows.append(dict(policy=name, peak_rss_mb=r["peak_rss_mb"], peak_device_mb=r["peak_device_mb"],
-                             prompt_tokens=r["prompt_tokens"],
-                             max_cells=r["cache"]["max_cells"], evict_s=r["timings"].get("evict_s")))  # fmt: skip
-            full = rows[0]["peak_rss_mb"]
-            ratio = r["peak_rss_mb"] / full
-            mark = "" if name == "full" else ("  ok" if ratio <= TARGET else f"  over {TARGET}x")
-            dev = "" if r["peak_device_mb"] is None else f"  device {r['peak_device_mb']:7.0f} MiB"
-            if not args.json:
-                print(f"{name:10s} {r['prompt_tokens']:6d} tokens  peak RSS {r['peak_rss_mb']:7.0f} MB  "
-                      f"{ratio:5.2f}x full{mark}{dev}", flush=True)  # fmt: skip
+        for kv_type in args.kv_types.split(","):
+            full = None
+            for name in names:
+                budget = [] if name == "full" else ["--budget", str(args.budget), *flags]
+                r = generate_peak(prompt, "--policy", name, *budget, "-n", str(args.n_predict), "-ctk", kv_type,
+                                  "-ctv", kv_type)  # fmt: skip
+                row = dict(policy=name, kv_type=kv_type, peak_rss_mb=r["peak_rss_mb"],
+                           peak_device_mb=r["peak_device_mb"], prompt_tokens=r["prompt_tokens"],
+                           max_cells=r["cache"]["max_cells"], kv_bytes=r["cache"]["kv_bytes"],
+                           evict_s=r["timings"].get("evict_s"),
+                           decode_tok_s=r["timings"].get("decode_tok_s"))  # fmt: skip
+                full = full or row
+                row["vs_full"] = row["peak_rss_mb"] / full["peak_rss_mb"]
+                rows.append(row)
+                row["kv_vs_first_full"] = row["kv_bytes"] / rows[0]["kv_bytes"]  # the first type's full cache
+                mark = "" if name == "full" else ("  ok" if row["vs_full"] <= TARGET else f"  over {TARGET}x")
+                dev = "" if r["peak_device_mb"] is None else f"  device {r['peak_device_mb']:7.0f} MiB"
+                if not args.json:
+                    share = f"1/{1 / row['kv_vs_first_full']:4.1f} of full {rows[0]['kv_type']}"
+                    print(f"{name:10s} {kv_type:6s} {r['prompt_tokens']:6d} tokens  KV "
+                          f"{row['kv_bytes'] / 2**20:7.1f} MiB ({share})  peak RSS {row['peak_rss_mb']:7.0f} MB "
+                          f"{row['vs_full']:5.2f}x full {kv_type}{mark}  decode {row['decode_tok_s'] or 0:6.1f} tok/s"
+                          f"{dev}", flush=True)  # fmt: skip
     if args.json:
-        full = rows[0]["peak_rss_mb"]
-        print(json.dumps([dict(r, vs_full=r["peak_rss_mb"] / full) for r in rows], indent=1))
+        print(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,18 @@ def stages(quick: bool = False) -> list[Stage]:
     # "test-": the test tables pool every "test-" stage, and these stages hold full cells again).
     out += [stage(f"small-test-{m}-{length}", MODELS[m], TASKS, length, N[m], "test", small_test_policies(),
                   small_budgets(length)) for m in ("smol", "qwen") for length in (2048, 4096)]  # fmt: skip
+    # Issue 26: quantized caches under eviction, each sample read once per cache type, paired with f16
+    out += [stage(f"kv-test-{m}-{length}", MODELS[m], TASKS, length, n, "test", kv_type_policies(), BUDGETS,
+                  kv_types=KV_TYPES) for m, length, n in (("smol", 4096, 8), ("qwen", 2048, 4))]  # fmt: skip
     return out
+
+
+KV_TYPES = ["f16", "q8_0", "q4_0"]
+
+
+def kv_type_policies() -> list[str]:
+    e = echokv_spec()
+    return ["full", laq_spec(e), e]
 
 
 SMALL = 64
@@ -371,6 +382,39 @@ def small_test_section(records: list[dict]) -> str:
             + report.compare_markdown(records, pairs, budgets, group, label))  # fmt: skip
 
 
+def kv_type_section(records: list[dict]) -> str:
+    """Issue 26: each policy with an f16, q8_0 and q4_0 cache (K and V alike), and what quantizing
+    costs on top of evicting: the difference against f16 paired by sample (the same prompt read
+    once per type)."""
+    from kvlite.eval.grid import kv_type_of
+
+    by: dict = defaultdict(lambda: defaultdict(dict))  # (model, length) -> (policy, budget, kv) -> sample -> score
+    for r in records:
+        if "score" in r:
+            cell = (r["policy"], r["budget"], kv_type_of(r["model"]))
+            by[(r["model"].split(" [")[0], length_of(r))][cell][(r["task"], r["sample"])] = r["score"]
+    quantized = KV_TYPES[1:]
+    head = ["policy", "budget", *KV_TYPES, *(f"{kv} - f16" for kv in quantized)]
+    out = []
+    for (model, length), cells in sorted(by.items()):
+        n = len(cells.get(("full", None, "f16"), {}))
+        out += [f"**{model} · {length} tokens** (n = {n} samples over {len(TASKS)} tasks)\n",
+                "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]  # fmt: skip
+        for policy, budget in dict.fromkeys((p, b) for p, b, _ in cells):
+            row = [label(policy), str(budget or "-")]
+            row += [stats.bootstrap_mean(list(cells[(policy, budget, kv)].values())).fmt()
+                    if cells.get((policy, budget, kv)) else "" for kv in KV_TYPES]  # fmt: skip
+            base = cells.get((policy, budget, "f16"), {})
+            for kv in quantized:
+                q = cells.get((policy, budget, kv), {})
+                keys = sorted(set(base) & set(q))
+                iv = stats.paired_difference([q[k] for k in keys], [base[k] for k in keys]) if keys else None
+                row.append(f"{iv.fmt()}{' **' if iv.excludes_zero() else ''} (n={iv.n})" if iv else "")
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def small_budget_table(records: list[dict]) -> str:
     """Issue 25, tune split at SMALL cells: per model and policy, the score, the share of the
     evidence in each lookahead workspace and in the kept cells, and where the kept cells went: the
@@ -473,6 +517,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     chat = records_of(out, "chat-")
     small = records_of(out, "tune-small-")
     small_test = records_of(out, "small-test-")
+    kv_test = records_of(out, "kv-test-")
     images = []
     evo = next((r for r in decode if r.get("evolution") and r["policy"].startswith("cc(")), None)
     evo = evo or next((r for r in decode if r.get("evolution")), None)
@@ -506,6 +551,11 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         small_budget_table(small) if small else "(not run yet)",
         "\n### Small budgets on the test split (issue 25)\n",
         small_test_section(small_test) if small_test else "(not run yet)\n",
+        "\n## Quantized caches under eviction (test split, issue 26)\n",
+        "Each prompt read once per cache type (`-ctk` and `-ctv` alike; flash attention on for the quantized "
+        "ones, as llama.cpp needs), the same samples for every type. `x - f16`: the score with that cache "
+        "minus the f16 cache's, paired by sample, with its 95% interval (** where it excludes 0).\n",
+        kv_type_section(kv_test) if kv_test else "(not run yet)\n",
         "\n## Protecting the question (tune split, prefill-end)\n",
         protect_table(records_of(out, "tune-protect")),
         "\n## Decode-heavy: list recall in chunked mode\n",

@@ -133,6 +133,25 @@ CASES = {
         None,
         "--merge: not a directory",
     ),  # fmt: skip
+    "-ctk q9": (["generate", "-m", TINY, "-p", "hi", "-ctk", "q9"], None, None, "-ctk 'q9': the cache types are"),
+    "-ctv q8_0 -fa off": (
+        ["generate", "-m", TINY, "-p", "hi", "-ctv", "q8_0", "-fa", "off"],
+        None,
+        None,
+        "needs flash attention",
+    ),  # fmt: skip
+    "-ctk q8_0 on 16-wide heads": (
+        ["generate", "-m", TINY, "-p", "hi", "-ctk", "q8_0"],
+        None,
+        None,
+        "this model's heads are 16 wide",
+    ),  # fmt: skip
+    "eval --kv-types q9": (
+        ["eval", "-m", TINY, "--kv-types", "f16,q9", "--out", "{missing}-kv"],
+        None,
+        None,
+        "--kv-types 'q9': the cache types are",
+    ),  # fmt: skip
     "--lengths 0": (
         ["eval", "-m", TINY, "--lengths", "0", "--out", "{missing}-l0"],
         None,

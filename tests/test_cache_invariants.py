@@ -49,7 +49,7 @@ def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path, monkeypatch)
     tmp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # where the state files go
     for fa in (False, True):
-        ctx = Context(tiny_model, n_ctx=128, n_batch=32, flash_attn=fa)
+        ctx = Context(tiny_model, n_ctx=128, n_batch=32, flash_attn="on" if fa else "off")
         rpc = os.environ.get("KVLITE_TEST_RPC")  # test_offload.py: the cache must then be on the server
         assert list(ctx.kv_buffers) == ([f"RPC0[{rpc}]"] if rpc else ["CPU"])
         cache = KVCache(ctx)
@@ -120,14 +120,57 @@ EXAMPLES = int(os.environ.get("KVLITE_HYPOTHESIS_EXAMPLES", "40"))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
 def test_random_operation_sequences_match_llama_state(tiny_arch_model, swa_full, ops, seed):
+    _run_ops(Context(tiny_arch_model, n_ctx=512, n_batch=32, swa_full=swa_full), ops, seed)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """64-wide heads: llama.cpp rotates a quantized cache's rows on these (engine.cachetypes)."""
+    from kvlite.engine import Model
+    from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+
+    spec = TinySpec(arch="llama", n_layer=2, n_head=4, n_head_kv=2, head_dim=64, seed=7)
+    return Model(str(write_tiny_gguf(tmp_path_factory.mktemp("wide") / "wide.gguf", spec)))
+
+
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
+def test_random_operation_sequences_on_a_quantized_cache(wide_model, kv_type, ops, seed):
+    """The same, and every live cell's quantized K and V bytes stay those it was written with."""
+    ctx = Context(wide_model, n_ctx=512, n_batch=32, type_k=kv_type, type_v=kv_type)
+    written: dict[int, bytes] = {}
+
+    def cells_bytes() -> dict[int, bytes]:
+        st_ = kvstate.parse(ctx.state_get(LIVE)).streams[0]
+        if st_ is None:
+            return {}
+        return {int(p): b"".join(rows[i].tobytes() for rows in st_.k + st_.v) for i, p in enumerate(st_.pos)}
+
+    def check_bytes(cache: KVCache) -> None:
+        now = cells_bytes()
+        for p, b in now.items():
+            assert written.setdefault(p, b) == b, f"the bytes of position {p} changed"
+
+    _run_ops(ctx, ops, seed, check_bytes)
+
+
+def _run_ops(ctx: Context, ops, seed: int, also=None) -> None:
+    """Random cache operations on ctx, kvlite's residency checked against llama.cpp's after each
+    (and also(cache), when given)."""
     rng = np.random.default_rng(seed)
-    ctx = Context(tiny_arch_model, n_ctx=512, n_batch=32, swa_full=swa_full)
     cache = KVCache(ctx)
     cache.append([int(t) for t in rng.integers(3, 300, size=8)])
 
     def sample(positions, share):
         return [int(p) for p in positions if rng.random() < share]
 
+    def checks() -> None:
+        check(cache)
+        if also is not None:
+            also(cache)
+
+    checks()
     for op, arg in ops:
         live = cache.positions()
         if op == "append" and not cache.workspace_active:
@@ -146,10 +189,10 @@ def test_random_operation_sequences_match_llama_state(tiny_arch_model, swa_full,
             cache.workspace_decode([int(t) for t in rng.integers(3, 300, size=arg)])
         elif op == "ws_drop" and cache.workspace_active:
             cache.workspace_drop()
-        check(cache)
+        checks()
     if cache.workspace_active:
         cache.workspace_drop()
-        check(cache)
+        checks()
     # the live sequence still decodes after all that, at the next position
     cache.append([5])
-    check(cache)
+    checks()

@@ -233,3 +233,27 @@ def test_policy_without_budget(tiny_paths):
 
 def test_chat_without_template(tiny_paths):
     assert_one_line_error(run_cli("chat", "-m", tiny_paths["qwen2"], stdin="hi\n"), "no chat template")
+
+
+def test_quantized_cache_flags(tmp_path):
+    """-ctk/-ctv/-fa as llama.cpp spells them: a q8_0 cache takes 34 bytes for every 32 values an
+    f16 one stores in 64, evicting multiplies the saving, and what llama.cpp cannot run is one line."""
+    from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+
+    path = str(write_tiny_gguf(tmp_path / "wide.gguf", TinySpec(n_layer=2, n_head=4, n_head_kv=2, head_dim=64)))
+    prompt = "the quick brown fox jumps over the lazy dog " * 6
+    cache = {}
+    for kv_type, policy in (("f16", []), ("q8_0", []), ("q8_0", ["--policy", "echokv", "--budget", "40"])):
+        proc = run_cli("generate", "-m", path, "-p", prompt, "-n", "4", "--json", "-ctk", kv_type, "-ctv", kv_type,
+                       *policy)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        cache[kv_type, bool(policy)] = json.loads(proc.stdout)["cache"]
+    assert cache["q8_0", False]["type_k"] == cache["q8_0", False]["type_v"] == "q8_0"
+    full, q8, q8_evicted = (cache[k]["kv_bytes"] for k in (("f16", False), ("q8_0", False), ("q8_0", True)))
+    assert q8 * 64 == full * 34
+    assert q8_evicted * cache["q8_0", False]["final_cells"] == q8 * cache["q8_0", True]["final_cells"]
+    for flags, words in ((["-ctv", "q8_0", "-fa", "off"], "needs flash attention"),
+                         (["-ctk", "q3_k"], "cache types are f32, f16, bf16, q8_0"),
+                         (["-fa", "sometimes"], "use on, off or auto")):  # fmt: skip
+        proc = run_cli("generate", "-m", path, "-p", "hi", "-n", "1", *flags)
+        assert proc.returncode == 1 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -34,7 +34,7 @@ def _cells_by_position(ctx) -> dict[int, tuple[bytes, bytes]]:
 
 
 def _run(model, prompt, keep, new, compact: bool, kv_type="f16"):
-    ctx = Context(model, n_ctx=len(prompt) + 64, n_batch=256, kv_type=kv_type)
+    ctx = Context(model, n_ctx=len(prompt) + 64, n_batch=256, type_k=kv_type, type_v=kv_type)
     cache = KVCache(ctx)
     cache.append(prompt)
     cache.evict(keep)

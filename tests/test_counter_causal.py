@@ -68,7 +68,7 @@ def _engine_cache(path, toks, keep=None):
     info = model.info
     cap = Capture(info)
     cap.request("hidden", [info.n_layer - 2])
-    ctx = Context(model, n_ctx=len(toks) + 64, n_batch=64, kv_type="f32", capture=cap)
+    ctx = Context(model, n_ctx=len(toks) + 64, n_batch=64, type_k="f32", type_v="f32", capture=cap)
     cache = KVCache(ctx, hidden_layer=info.n_layer - 2)
     cache.append(toks)
     if keep is not None:

@@ -60,7 +60,7 @@ def test_kvzip_matches_its_torch_twin(tiny_path, chunk):
     model = Model(path)
     tokens = [int(t) for t in np.random.default_rng(5).integers(3, model.n_vocab, size=130)]
     policy = KVzip(budget=48, repeat_chunk=chunk)
-    runner = Runner(model, policy, RunSettings(n_ctx=512, chunk=64, kv_type="f32"))
+    runner = Runner(model, policy, RunSettings(n_ctx=512, chunk=64, type_k="f32", type_v="f32"))
     try:
         runner.feed(tokens, evict=False)
         got = policy.pair_scores(runner.observation())
@@ -73,7 +73,7 @@ def test_kvzip_matches_its_torch_twin(tiny_path, chunk):
         assert err < ATOL_KVZIP and np.ptp(want[finite]) > 100 * ATOL_KVZIP
     finally:
         runner.close()
-    runner = Runner(model, policy, RunSettings(n_ctx=512, chunk=64, kv_type="f32"))
+    runner = Runner(model, policy, RunSettings(n_ctx=512, chunk=64, type_k="f32", type_v="f32"))
     try:  # the eviction itself: the budget kept, llama.cpp agrees, the cache still decodes
         runner.feed(tokens)
         assert len(runner.cache.positions()) == 48

@@ -93,7 +93,7 @@ def test_generation_after_eviction_matches_the_reference(tiny_path, name):
     tokens = [int(t) for t in rng.integers(3, model.n_vocab, size=200)]
     policy = _policy(name, budget=48, sinks=4, lookahead=4, workspace=96)
     n_ctx, chunk = plan_context(policy, 0, len(tokens), 8, 64)
-    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, kv_type="f32"))
+    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, type_k="f32", type_v="f32"))
     runner.feed(tokens)
     kept = runner.cache.positions().tolist()
     out, _ = runner.generate(8)

@@ -97,7 +97,7 @@ def test_knorm_matches_its_torch_twin(tiny_path, first_layer):
     model = Model(path)
     tokens = [int(t) for t in np.random.default_rng(3).integers(3, model.n_vocab, size=120)]
     policy = KNorm(budget=40, first_layer=first_layer)
-    runner = Runner(model, policy, RunSettings(n_ctx=256, chunk=64, kv_type="f32"))
+    runner = Runner(model, policy, RunSettings(n_ctx=256, chunk=64, type_k="f32", type_v="f32"))
     try:
         runner.feed(tokens)
         ev = runner.last_eviction

@@ -36,7 +36,7 @@ def _tokens(n: int, seed: int, n_vocab: int) -> list[int]:
 
 def _engine(path: str, n_ctx: int = 256, capture: Capture | None = None):
     model = Model(path)
-    ctx = Context(model, n_ctx=n_ctx, n_batch=64, kv_type="f32", capture=capture)
+    ctx = Context(model, n_ctx=n_ctx, n_batch=64, type_k="f32", type_v="f32", capture=capture)
     return model, ctx, KVCache(ctx)
 
 
@@ -109,7 +109,7 @@ def test_f16_cache_stays_close(tiny_paths, kv_type):
     path = tiny_paths["llama"]
     ref = ReferenceModel(path, kv_dtype=torch.float16)
     model = Model(path)
-    ctx = Context(model, n_ctx=128, n_batch=64, kv_type=kv_type)
+    ctx = Context(model, n_ctx=128, n_batch=64, type_k=kv_type, type_v=kv_type)
     toks = _tokens(30, 3, model.n_vocab)
     KVCache(ctx).append(toks, logits="all")
     got = np.stack([ctx.logits(i) for i in range(len(toks))])

@@ -493,3 +493,43 @@ def test_any_request_body_is_accepted_or_a_400(body, policy):
             parse()
         except ApiError as e:
             assert e.status == 400 and e.message
+
+
+def test_a_slot_file_restores_only_into_the_cache_it_was_saved_from(tmp_path, monkeypatch):
+    """A slot's blob holds q8_0 blocks of rotated rows: a server with another cache type, or with
+    llama.cpp's rotation off (which would load the bytes without a word), answers 400."""
+    from kvlite.engine import Model
+    from kvlite.engine.cachetypes import ROTATION_ENV
+    from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+    from kvlite.runner import RunSettings
+
+    spec = TinySpec(arch="llama", n_layer=2, n_head=4, n_head_kv=2, head_dim=64, seed=7, chat_template=True)
+    model = Model(str(write_tiny_gguf(tmp_path / "wide.gguf", spec)))
+
+    def config(kv_type: str) -> ServeConfig:
+        return ServeConfig(slots=1, n_predict=4, slot_save_path=str(tmp_path),
+                           settings=RunSettings(type_k=kv_type, type_v=kv_type))  # fmt: skip
+
+    live = Live(Server(config("q8_0"), model=model))
+    try:
+        r = live.post("/v1/chat/completions", {"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 40}, headers={})
+        assert r.status_code == 200, r.text
+        assert live.post("/slots/0?action=save", {"filename": "q.slot"}, headers={}).status_code == 200
+    finally:
+        live.stop()
+    for kv_type, rotation_off in (("f16", False), ("q8_0", True), ("q8_0", False)):
+        if rotation_off:
+            monkeypatch.setenv(ROTATION_ENV, "1")
+        else:
+            monkeypatch.delenv(ROTATION_ENV, raising=False)
+        live = Live(Server(config(kv_type), model=model))
+        try:
+            r = live.post("/slots/0?action=restore", {"filename": "q.slot"}, headers={})
+            if kv_type == "q8_0" and not rotation_off:
+                assert r.status_code == 200, r.text
+                assert consistent(live.server.slots[0].conversation)
+            else:
+                message = r.json()["error"]["message"]
+                assert r.status_code == 400 and "holds a -ctk q8_0 -ctv q8_0 (rotated) cache" in message, message
+        finally:
+            live.stop()

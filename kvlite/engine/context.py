@@ -13,11 +13,10 @@ import numpy as np
 
 from ..errors import KvliteError
 from ..native import default_threads, native
-from . import kvstate
+from . import cachetypes, kvstate
 from .capture import Capture
 from .model import LOG_BUFFERS, LOG_ERRORS, Model, logged_buffers
 
-KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32}
 LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspace view
 
 
@@ -31,8 +30,9 @@ class Context:
         n_ctx: int,
         n_batch: int = 512,
         n_threads: int | None = None,
-        flash_attn: bool = False,
-        kv_type: str = "f16",
+        flash_attn: str = "auto",
+        type_k: str = "f16",
+        type_v: str = "f16",
         capture: Capture | None = None,
         swa_full: bool = True,
     ):
@@ -40,9 +40,12 @@ class Context:
         default). A workspace needs it: a view pins every cell it views in the sliding layers' cache
         as well, and with the window-sized cache a lookahead or KVzip pass runs out of cells
         (docs/models.md, "Sliding-window models"). Without a workspace the window-sized cache holds
-        the same cells in less memory."""
+        the same cells in less memory. type_k/type_v: the cache types (cachetypes.CACHE_TYPES);
+        flash_attn: on, off or auto (cachetypes.flash_attn_on)."""
         if n_ctx <= 0:
             raise KvliteError(f"context size must be positive, got {n_ctx}")
+        fa = cachetypes.check_types(type_k, type_v, flash_attn)
+        cachetypes.check_head_dim(type_k, type_v, model.info.head_dim)
         self.model = model
         self.capture = capture
         p = L.llama_context_default_params()
@@ -51,11 +54,17 @@ class Context:
         p.n_seq_max = 2
         p.kv_unified = True
         p.swa_full = swa_full
-        # Attention weights (kq) exist only with flash attention off; off is also faster on CPU.
-        p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.flash_attn = cachetypes.flash_attn_on(fa, type_v)
+        p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.n_threads = p.n_threads_batch = n_threads or default_threads()
         native().set_threads(p.n_threads)  # the score kernels run on as many threads as the decode
-        p.type_k = p.type_v = KV_TYPES[kv_type]
+        p.type_k, p.type_v = cachetypes.CACHE_TYPES[type_k], cachetypes.CACHE_TYPES[type_v]
+        self.type_k, self.type_v = type_k, type_v
+        # how llama.cpp rotates what it stores, decided as it decides, when the context is made
+        self.rotations = cachetypes.rotations(type_k, type_v, model.info.head_dim)
+        n_embd_kv = model.info.n_head_kv * model.info.head_dim
+        # K and V bytes one cell takes in one layer
+        self.layer_cell_bytes = cachetypes.row_bytes(type_k, n_embd_kv) + cachetypes.row_bytes(type_v, n_embd_kv)
         p.no_perf = True
         if capture is not None:
             p.cb_eval = capture.callback

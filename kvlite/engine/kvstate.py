@@ -28,7 +28,9 @@ import numpy as np
 from ..errors import KvliteError
 
 MAGIC = 0xAF143CD8
-_NUMPY = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}
+# the types numpy can hold as elements (bf16 as its bits), so a transposed V reads back as rows;
+# a quantized type's rows are its bytes [cells, row bytes] (blocks: never transposed, see _view)
+_NUMPY = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 30: np.dtype(np.uint16)}
 
 
 @dataclasses.dataclass
@@ -173,6 +175,8 @@ def _nbytes(cells: int, desc: tuple, v_trans: int = 0) -> int:
 def _view(raw: np.ndarray, cells: int, desc: tuple, v_trans: int = 0) -> np.ndarray:
     """Typed rows [cells, n] of one layer's bytes (V stored transposed when v_trans)."""
     dtype = _NUMPY.get(desc[0])
+    if v_trans and dtype is None:  # llama.cpp needs flash attention, and so V rows, for these
+        raise KvliteError(f"a transposed V cache of ggml type {desc[0]} cannot be read")
     if v_trans:
         return raw.view(dtype).reshape(desc[2], cells).T
     return raw.view(dtype).reshape(cells, -1) if dtype is not None else raw.reshape(cells, desc[1])

@@ -58,6 +58,13 @@ def add_parser(sub) -> None:
                    help="comma-separated, parameters as echokv(T=8,aggregate=mean); default: full,streaming,snapkv,"
                    "echokv")  # fmt: skip
     p.add_argument("--budgets", type=_ints, default=None, help="comma-separated KV budgets (default 128,256)")
+    p.add_argument(
+        "--kv-types",
+        type=_names,
+        default=None,
+        metavar="TYPES",
+        help="comma-separated cache types, each for K and V (-ctk/-ctv): a grid axis (default f16)",
+    )
     p.add_argument("--n-predict", type=int, default=None, help="generation length (default: each task's)")
     p.add_argument("--max-length", type=int, default=None,
                    help="longer prompts keep their first and last halves, as LongBench does "
@@ -89,7 +96,7 @@ def cmd_eval(args) -> int:
     overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
                                                "n", "seed", "split", "depth", "policies", "budgets", "n_predict",
                                                "max_length", "diagnostics", "evolution", "threads", "n_gpu_layers",
-                                               "shard", "out", "ray")}  # fmt: skip
+                                               "shard", "out", "ray", "kv_types")}  # fmt: skip
     cfg = GridConfig.load(args.config, overrides)
     if args.rpc and cfg.ray:
         raise KvliteError("--rpc and --ray together are not supported: the RPC servers would be the driver's only")

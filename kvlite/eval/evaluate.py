@@ -103,16 +103,17 @@ class Reference:
     logits: np.ndarray  # [len(tokens) - 1, n_vocab]: after each continuation token but the last
 
 
-def read_prefix(model: Model, tokens: list[int], n_ctx: int, n_threads: int | None = None) -> Snapshot | None:
+def read_prefix(model: Model, tokens: list[int], n_ctx: int, n_threads: int | None = None,
+                kv_type: str = "f16") -> Snapshot | None:  # fmt: skip
     """A prompt's first tokens read once, as a snapshot every cell restores and then feeds the rest
     itself (the tokens whose queries its policy observes). Hidden states are kept for counter-
-    causal fast. None for no tokens."""
+    causal fast. None for no tokens. kv_type: the cache type of K and V (a cell's must match)."""
     if not tokens:
         return None
     hidden_layer = model.info.n_layer - 2
     capture = Capture(model.info)
     capture.request("hidden", [hidden_layer])
-    ctx = Context(model, n_ctx, n_batch=CHUNK, n_threads=n_threads, capture=capture)
+    ctx = Context(model, n_ctx, n_batch=CHUNK, n_threads=n_threads, type_k=kv_type, type_v=kv_type, capture=capture)
     try:
         cache = KVCache(ctx, hidden_layer=hidden_layer)
         for start in range(0, len(tokens), CHUNK):
@@ -126,21 +127,21 @@ def read_prefix(model: Model, tokens: list[int], n_ctx: int, n_threads: int | No
 class SampleRun:
     """One prompt read once; `cell(policy)` replays it under a policy and returns a record."""
 
-    def __init__(self, model: Model, prompt: Prompt, tail: int, n_threads: int | None = None, extra_ctx: int = 0):
-        self.model, self.prompt, self.n_threads = model, prompt, n_threads
+    def __init__(self, model: Model, prompt: Prompt, tail: int, n_threads: int | None = None, extra_ctx: int = 0,
+                 kv_type: str = "f16"):  # fmt: skip
+        self.model, self.prompt, self.n_threads, self.kv_type = model, prompt, n_threads, kv_type
         n = len(prompt.tokens)
         self.tail = max(1, min(tail, n - 1)) if n > 1 else 1
         self.n_ctx = n + prompt.max_new_tokens + extra_ctx + 8
         self.reference: Reference | None = None
         self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by spec and scoring key (ScoreMemo)
         t0 = time.perf_counter()
-        self.snapshot = read_prefix(model, prompt.tokens[: n - self.tail], self.n_ctx, n_threads)
+        self.snapshot = read_prefix(model, prompt.tokens[: n - self.tail], self.n_ctx, n_threads, kv_type)
         self.prefix_s = time.perf_counter() - t0
 
     def runner(self, policy: Policy, chunk: int = CHUNK) -> Runner:
-        settings = RunSettings(
-            n_ctx=self.n_ctx, chunk=chunk, sampling=SamplingParams(temp=0.0), n_threads=self.n_threads
-        )
+        settings = RunSettings(n_ctx=self.n_ctx, chunk=chunk, sampling=SamplingParams(temp=0.0),
+                               n_threads=self.n_threads, type_k=self.kv_type, type_v=self.kv_type)  # fmt: skip
         return Runner(self.model, policy, settings)
 
     def _read_prompt(self, runner: Runner) -> None:

@@ -16,6 +16,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 
 from ..engine import Model
+from ..engine.cachetypes import CACHE_TYPES
 from ..errors import KvliteError
 from ..models import resolve_model
 from ..policies import POLICIES, FullKV, Param, Policy, make_policy
@@ -55,6 +56,7 @@ class GridConfig:
     limit: int = 0  # at most this many samples per data file (0: all)
     policies: list[str] = dataclasses.field(default_factory=lambda: ["full", "streaming", "snapkv", "echokv"])
     budgets: list[int] = dataclasses.field(default_factory=lambda: [128, 256])
+    kv_types: list[str] = dataclasses.field(default_factory=lambda: ["f16"])  # cache types, K and V alike (-ctk/-ctv)
     n_predict: int | None = None  # overrides each task's generation length
     max_length: int = 0  # longer prompts keep their first and last halves (0: the model's context)
     diagnostics: bool = False  # EchoKV Table 1 overlap per generated sample
@@ -92,6 +94,11 @@ class GridConfig:
     def validate(self) -> None:
         for spec in self.policies:
             parse_spec(spec)
+        if not self.kv_types:
+            raise KvliteError("--kv-types names no cache type")
+        for t in self.kv_types:
+            if t not in CACHE_TYPES:
+                raise KvliteError(f"--kv-types {t!r}: the cache types are {', '.join(CACHE_TYPES)}")
         if any(b <= 0 for b in self.budgets):
             raise KvliteError(f"budgets must be positive, got {self.budgets}")
         if any(n < tasks.MIN_LENGTH for n in self.lengths):
@@ -189,8 +196,14 @@ def run_params(spec: str) -> dict:
     return {k: v for k, v in parse_spec(spec)[1].items() if k in ("chunk", "evict")}
 
 
-def model_label(path: pathlib.Path) -> str:
-    return path.stem
+def model_label(path: pathlib.Path, kv_type: str = "f16") -> str:
+    """A record's model: the file, and the cache type when it is not the default (its own table)."""
+    return path.stem if kv_type == "f16" else f"{path.stem} [{kv_type} cache]"
+
+
+def kv_type_of(label: str) -> str:
+    m = re.search(r" \[(\w+) cache\]$", label)
+    return m.group(1) if m else "f16"
 
 
 def _message(e: Exception) -> str:
@@ -268,8 +281,9 @@ class Grid:
             path = resolve_model(None if model_arg == "default" else model_arg)
             model = Model(path, n_gpu_layers=self.cfg.n_gpu_layers)
             try:
-                for sample in self._samples(model):
-                    yield path, model, model_label(path), sample
+                for kv_type in self.cfg.kv_types:
+                    for sample in self._samples(model):
+                        yield path, model, model_label(path, kv_type), sample
             finally:
                 model.close()
 
@@ -306,7 +320,8 @@ class Grid:
     ) -> None:
         """One sample's unfinished cells, replayed from one prefill; what happens goes to emit."""
         cfg = self.cfg
-        base = {"model": label, "task": sample.task, "sample": sample.id, "split": sample.split}
+        base = {"model": label, "task": sample.task, "sample": sample.id, "split": sample.split,
+                "kv_type": kv_type_of(label)}  # fmt: skip
         todo, want_diag = self.todo(label, sample, done)
         if not todo and not want_diag:
             return
@@ -315,7 +330,8 @@ class Grid:
             return
         try:
             prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
-            run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=self.lookahead_cells)
+            run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=self.lookahead_cells,
+                            kv_type=base["kv_type"])  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
             emit(("error", base, _message(e)))
             emit(("progress", len(todo)))
@@ -353,7 +369,8 @@ class Grid:
     def _run_conversations(self, model: Model, base: dict, sample: tasks.Sample, todo: list, emit) -> None:
         """Multi-turn cells: each replays the conversation from its document read once (kvlite.eval.multiturn)."""
         try:
-            document = multiturn.read_document(model, sample, self.tail, self.cfg.threads)
+            kv_type = base["kv_type"]
+            document = multiturn.read_document(model, sample, self.tail, self.cfg.threads, kv_type)
             memo: dict = {}
         except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
             emit(("error", base, _message(e)))
@@ -365,7 +382,7 @@ class Grid:
                 policy = policy_for(spec, budget)
                 evict = run_params(spec).get("evict", "eager") if budget is not None else "eager"
                 record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads, document,
-                                                    (memo, spec))  # fmt: skip
+                                                    (memo, spec), kv_type)  # fmt: skip
                 emit(("record", {**where, **record}))
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))
@@ -384,4 +401,4 @@ class Grid:
             n_data += min(rows, cfg.limit) if cfg.limit else rows
         n_samples = n_data + len(cfg.tasks) * len(cfg.lengths) * cfg.n
         mine = len(range(self.shard - 1, n_samples, self.n_shards))
-        return mine * len(self.cells) * len(cfg.models)
+        return mine * len(self.cells) * len(cfg.models) * len(cfg.kv_types)

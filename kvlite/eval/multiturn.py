@@ -40,11 +40,12 @@ def lazy_cap(conv: Conversation, question: str, n_predict: int) -> int:
     return conv.runner.cache.n_resident + conv.pending_tokens(question) + extra + n_predict // 2
 
 
-def read_document(model: Model, sample: Sample, tail: int, n_threads: int | None = None) -> Snapshot | None:
+def read_document(model: Model, sample: Sample, tail: int, n_threads: int | None = None,
+                  kv_type: str = "f16") -> Snapshot | None:  # fmt: skip
     """The document turn read once but its last `tail` tokens (at least one is left to feed)."""
     tokens = model.tokenize_chat([{"role": "user", "content": sample.turns[0][0]}])
     head = tokens[: max(0, len(tokens) - max(1, tail))]
-    return read_prefix(model, head, len(tokens) + 8, n_threads)
+    return read_prefix(model, head, len(tokens) + 8, n_threads, kv_type)
 
 
 class FirstEviction(ScoreMemo):
@@ -72,6 +73,7 @@ def run_conversation(
     n_threads: int | None = None,
     document: Snapshot | None = None,
     memo: tuple[dict, str] | None = None,
+    kv_type: str = "f16",
 ) -> dict:
     """document: read_document's snapshot (None: the cell reads the document itself; a chunked
     policy, which evicts as it reads, always does). memo: a dict shared by the cells of one
@@ -81,7 +83,8 @@ def run_conversation(
         store, name = memo
         policy = FirstEviction(policy, store, f"{name} {policy.scoring_key()}")  # as SampleRun.cell keys it
     n_ctx = conversation_cap(model, sample, policy)
-    settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads)
+    settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads,
+                           type_k=kv_type, type_v=kv_type)  # fmt: skip
     conv = Session(model, policy, settings).conversation(evict=evict)
     if document is not None and not policy.continuous:
         conv.start_from(document)
