@@ -18,6 +18,7 @@ from .cache import Snapshot
 from .engine import Model
 from .engine.model import drop_prefix
 from .errors import KvliteError
+from .limits import check_int
 from .models import resolve_model
 from .policies import FullKV, Policy
 from .progress import progress_bar
@@ -33,6 +34,15 @@ DEFAULT_EVICT = "lazy"
 # (a pasted document with a "?" in its middle does not). Used by the hybrid policy.
 _ASKING = ("what", "who", "whom", "whose", "when", "where", "which", "why", "how", "is", "are", "does", "do", "did",
            "can", "could", "tell", "give", "list", "name", "summarize", "explain", "describe", "repeat")  # fmt: skip
+
+
+def check_text(text: str, what: str) -> None:
+    """What every surface refuses in a prompt or a message: nothing to read, or a NUL (llama.cpp's
+    template engine reads C strings: it would cut the text there, silently)."""
+    if not text.strip():
+        raise KvliteError(f"{what} is empty")
+    if "\x00" in text:
+        raise KvliteError(f"{what} contains a NUL character: remove it")
 
 
 def asks_something(message: str) -> bool:
@@ -80,10 +90,8 @@ class Session:
         """Complete one prompt on a fresh cache (chat=True wraps it as a user turn of the template;
         its text is never read as control tokens). progress: a prefill progress bar on stderr when
         it is a terminal. interrupted: checked between chunks and tokens; True stops the run."""
-        if not prompt.strip():
-            raise KvliteError("the prompt is empty")
-        if n_predict < 0:
-            raise KvliteError(f"-n must be >= 0, got {n_predict}")
+        check_text(prompt, "the prompt")
+        check_int("-n", n_predict)
         if chat:
             tokens = self.model.tokenize_chat([{"role": "user", "content": prompt}])
         else:
@@ -181,6 +189,7 @@ class Conversation:
     ) -> tuple[str, str]:
         """Feed one user message (or the messages that follow the conversation, the last a user's)
         and generate the reply. Returns (reply, why it stopped)."""
+        check_int("-n", n_predict)
         model = self.runner.model
         messages, full, tokens, reread = self._render(user)
         runner, cache = self.runner, self.runner.cache
@@ -251,11 +260,12 @@ class Conversation:
             raise KvliteError(f"--budget {budget} with -n {n_predict} does not fit under the cache cap {self.cap}")
         if cache.n_resident + n_new + n_predict + extra <= self.cap:
             return False
-        if cache.n_resident + n_new + extra > self.cap:
-            runner.evict()
-        if cache.n_resident + n_new + extra > self.cap:
+        # refused from the token count, before an eviction or a prefill it could not finish
+        if min(cache.n_resident, budget) + n_new + extra > self.cap:
             raise KvliteError(f"a message of {n_new} tokens does not fit under the cache cap {self.cap} beside the "
                               f"budget {budget}: raise -c")  # fmt: skip
+        if cache.n_resident + n_new + extra > self.cap:
+            runner.evict()
         return True
 
     def _describe(self, n_evicted: int) -> str:

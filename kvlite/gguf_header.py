@@ -8,6 +8,7 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (version 2 and
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
 from typing import BinaryIO
 
@@ -48,65 +49,96 @@ class _Cut(Exception):
     pass
 
 
-def _read(f: BinaryIO, n: int) -> bytes:
-    b = f.read(n)
-    if len(b) != n:
-        raise _Cut
-    return b
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_DEPTH = 4  # arrays of arrays: llama.cpp's own files nest none
 
 
-def _unpack(f: BinaryIO, fmt: str):
-    return struct.unpack(fmt, _read(f, struct.calcsize(fmt)))[0]
+class _File:
+    """Reads a header whose every length is checked against the bytes left, so that no crafted
+    count or size allocates, seeks or loops beyond the file: any byte string ends in a KvliteError
+    or a header."""
 
+    def __init__(self, f: BinaryIO, size: int):
+        self.f, self.size = f, size
 
-def _string(f: BinaryIO) -> str:
-    return _read(f, _unpack(f, "<Q")).decode("utf-8", errors="replace")
+    def left(self) -> int:
+        return self.size - self.f.tell()
 
+    def read(self, n: int) -> bytes:
+        if n > self.left():
+            raise _Cut
+        return self.f.read(n)
 
-def _value(f: BinaryIO, vtype: int):
-    if vtype in _SCALARS:
-        return _unpack(f, _SCALARS[vtype])
-    if vtype == _STRING:
-        return _string(f)
-    if vtype == _ARRAY:
-        etype, n = _unpack(f, "<I"), _unpack(f, "<Q")
-        if etype == _STRING:  # skip, keep the count (vocabularies are long)
-            for _ in range(n):
-                f.seek(_unpack(f, "<Q"), 1)
-            return n
-        if etype in _SCALARS:
-            size = struct.calcsize(_SCALARS[etype])
-            data = _read(f, size * n)
-            return list(struct.unpack(f"<{n}{_SCALARS[etype][1:]}", data))
-        return [_value(f, etype) for _ in range(n)]
-    raise KvliteError(f"unknown GGUF value type {vtype}")
+    def skip(self, n: int) -> None:
+        if n > self.left():
+            raise _Cut
+        self.f.seek(n, 1)
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        return self.read(self.unpack("<Q")).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, depth: int = 0):
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            if depth >= MAX_DEPTH:
+                raise KvliteError(f"GGUF arrays nested more than {MAX_DEPTH} deep")
+            etype, n = self.unpack("<I"), self.unpack("<Q")
+            if etype == _STRING:  # skip, keep the count (vocabularies are long)
+                if n > self.left() // 8:
+                    raise _Cut
+                for _ in range(n):
+                    self.skip(self.unpack("<Q"))
+                return n
+            if etype in _SCALARS:
+                size = struct.calcsize(_SCALARS[etype])
+                return list(struct.unpack(f"<{n}{_SCALARS[etype][1:]}", self.read(size * n)))
+            if etype != _ARRAY:
+                raise KvliteError(f"unknown GGUF value type {etype}")
+            if n > self.left() // 12:  # an array's type and count alone take 12 bytes
+                raise _Cut
+            return [self.value(etype, depth + 1) for _ in range(n)]
+        raise KvliteError(f"unknown GGUF value type {vtype}")
 
 
 def read_header(path: str) -> GGUFHeader:
-    """Raises KvliteError for a file that is not GGUF or ends inside its header."""
+    """Raises KvliteError for a file that is not GGUF, ends inside its header or whose header
+    cannot be one (a length past the end, an alignment that is not a power of two, ...)."""
     with open(path, "rb") as f:
+        r = _File(f, os.fstat(f.fileno()).st_size)
         try:
-            if _read(f, 4) != b"GGUF":
+            if r.read(4) != b"GGUF":
                 raise KvliteError(f"{path} is not a GGUF file (bad magic); pass a .gguf model with -m")
-            version = _unpack(f, "<I")
+            version = r.unpack("<I")
             if version not in (2, 3):
                 raise KvliteError(f"{path}: unsupported GGUF version {version}")
-            n_tensors, n_kv = _unpack(f, "<Q"), _unpack(f, "<Q")
+            n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
             metadata = {}
             for _ in range(n_kv):
-                key = _string(f)
-                metadata[key] = _value(f, _unpack(f, "<I"))
+                key = r.string()
+                metadata[key] = r.value(r.unpack("<I"))
             tensors = []
             for _ in range(n_tensors):
-                name = _string(f)
-                n_dims = _unpack(f, "<I")
-                shape = tuple(_unpack(f, "<Q") for _ in range(n_dims))
-                tensors.append(TensorInfo(name, shape, _unpack(f, "<I"), _unpack(f, "<Q")))
-            align = int(metadata.get("general.alignment", 32))
+                name = r.string()
+                n_dims = r.unpack("<I")
+                if n_dims > MAX_DIMS:
+                    raise KvliteError(f"{path}: tensor {name[:64]!r} has {n_dims} dimensions (ggml has {MAX_DIMS})")
+                shape = tuple(r.unpack("<Q") for _ in range(n_dims))
+                tensors.append(TensorInfo(name, shape, r.unpack("<I"), r.unpack("<Q")))
+            align = metadata.get("general.alignment", 32)
+            if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+                raise KvliteError(f"{path}: general.alignment {align!r} is not a power of two (gguf.cpp refuses it)")
             pos = f.tell()
             data_start = (pos + align - 1) // align * align
         except _Cut:
             raise KvliteError(f"{path} is truncated: it ends inside the GGUF header") from None
+        except KvliteError as e:
+            raise KvliteError(str(e) if str(path) in str(e) else f"{path}: {e}") from None
     return GGUFHeader(metadata=metadata, tensors=tensors, data_start=data_start)
 
 

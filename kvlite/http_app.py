@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from .api import check_text
 from .errors import KvliteError
 from .serve import ApiError, Ask, Result, ServeConfig, Server, Slot, _field, parse_messages, parse_request
 
@@ -127,8 +128,12 @@ def create_app(server: Server, load: bool = True):
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ApiError(400, "'prompt' must be a non-empty string (or a list of one)", param="prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string (or a list of one)", param="prompt")
+        try:
+            check_text(prompt, "the prompt")  # as kvlite generate words it
+        except KvliteError as e:
+            raise ApiError(400, str(e), param="prompt") from None
         req = parse_request(body, server.cfg, server.default_sampling)
         return await respond(req, "text_completion", lambda on_text, cancelled: server.complete(prompt, req, on_text,
                                                                                                cancelled))  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import pathlib
 
@@ -251,9 +252,37 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
         raise KvliteError(f"{path} stores Q, K and V fused (attn_qkv): kvlite reads them separately, "
                           f"as {', '.join(SUPPORTED_ARCHS)} files store them")  # fmt: skip
     try:
-        return _model_info(path, meta, arch, _freq_factors(path, header))
-    except (KeyError, TypeError, ValueError) as e:
+        info = _model_info(path, meta, arch, _freq_factors(path, header))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise KvliteError(f"{path} has incomplete or malformed GGUF metadata ({e})") from None
+    _check_facts(path, info)
+    return info
+
+
+def _count(path: pathlib.Path, meta: dict, key: str, default: int | None = None) -> int:
+    """A count llama.cpp divides by or sizes buffers from: a positive 32-bit integer."""
+    value = meta[key] if default is None else meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+        raise KvliteError(f"{path}: {key} is {value!r}: it must be a positive 32-bit count")
+    return value
+
+
+def _check_facts(path: pathlib.Path, info: ModelInfo) -> None:
+    """Metadata llama.cpp would divide by, index with or size buffers from, in range; one line
+    naming the key otherwise (a crafted header must not reach llama.cpp or a kernel)."""
+    arch = info.arch
+    if info.n_head % info.n_head_kv:
+        raise KvliteError(f"{path}: {info.n_head} attention heads cannot share {info.n_head_kv} KV heads")
+    if not (0 < info.rope_dims <= info.head_dim and info.rope_dims % 2 == 0):
+        raise KvliteError(f"{path}: {arch}.rope.dimension_count is {info.rope_dims}: it must be even and at most "
+                          f"the head size {info.head_dim}")  # fmt: skip
+    if not 0 <= info.n_ctx_train < 2**31 or not 0 <= info.n_swa < 2**31:
+        raise KvliteError(f"{path}: {arch}.context_length or sliding_window is out of the 32-bit range")
+    floats = {"rope.freq_base": info.rope_base, "attention.layer_norm_rms_epsilon": info.rms_eps,
+              "rope.freq_base_swa": info.rope_base_swa}  # fmt: skip
+    for key, value in floats.items():
+        if not (math.isfinite(value) and value > 0):
+            raise KvliteError(f"{path}: {arch}.{key} is {value}: it must be a positive number")
 
 
 def _check_arch(arch: object, path: object) -> None:
@@ -283,9 +312,9 @@ def _freq_factors(path: pathlib.Path, header) -> tuple[float, ...] | None:
 
 
 def _model_info(path: pathlib.Path, meta: dict, arch: str, freq_factors: tuple[float, ...] | None) -> ModelInfo:
-    n_embd = int(meta[f"{arch}.embedding_length"])
-    n_head = int(meta[f"{arch}.attention.head_count"])
-    head_dim = int(meta.get(f"{arch}.attention.key_length", n_embd // n_head))
+    n_embd = _count(path, meta, f"{arch}.embedding_length")
+    n_head = _count(path, meta, f"{arch}.attention.head_count")
+    head_dim = _count(path, meta, f"{arch}.attention.key_length", n_embd // n_head)
     rope = _rope_scaling(meta, arch, head_dim)
     if freq_factors is not None and len(freq_factors) != rope["rope_dims"] // 2:
         raise KvliteError(f"{path}: rope_freqs.weight has {len(freq_factors)} factors, "
@@ -294,9 +323,9 @@ def _model_info(path: pathlib.Path, meta: dict, arch: str, freq_factors: tuple[f
         path=str(path),
         arch=arch,
         name=str(meta.get("general.name", path.stem)),
-        n_layer=int(meta[f"{arch}.block_count"]),
+        n_layer=_count(path, meta, f"{arch}.block_count"),
         n_head=n_head,
-        n_head_kv=int(meta.get(f"{arch}.attention.head_count_kv", n_head)),
+        n_head_kv=_count(path, meta, f"{arch}.attention.head_count_kv", n_head),
         head_dim=head_dim,
         n_embd=n_embd,
         n_vocab=int(meta.get("tokenizer.ggml.tokens", 0)),

@@ -20,6 +20,7 @@ import llama_cpp  # noqa: F401  -- maps libggml* first, so the kernels share lla
 import numpy as np
 
 from .errors import KvliteError
+from .limits import check_threads
 
 if TYPE_CHECKING:
     from .models import ModelInfo
@@ -167,8 +168,7 @@ class Native:
 
     def set_threads(self, n_threads: int) -> None:
         """The CPU threads every kernel runs with from now on (-t; llama.cpp's decode takes the same)."""
-        if n_threads <= 0:
-            raise KvliteError(f"-t must be positive, got {n_threads}")
+        check_threads("-t", n_threads)
         if n_threads != self.n_threads:
             self._lib.kvl_set_threads(self._ctx, n_threads)
             self.n_threads = n_threads

@@ -12,6 +12,7 @@ from .cache import KVCache, Snapshot
 from .engine import Capture, Context, Model, Sampler, SamplingParams
 from .engine.cachetypes import check_types
 from .errors import KvliteError
+from .limits import check_int, check_threads
 from .policies import FullKV, Policy
 from .policies.observe import Observation
 from .selection import protected_positions, select_keep
@@ -37,12 +38,12 @@ class RunSettings:
     type_v: str = "f16"
 
     def __post_init__(self):
-        if self.n_ctx < 0:
+        if isinstance(self.n_ctx, int) and self.n_ctx < 0:
             raise KvliteError(f"-c must be >= 0 (0: as needed), got {self.n_ctx}")
-        if self.chunk <= 0:
-            raise KvliteError(f"--chunk must be positive, got {self.chunk}")
-        if self.n_threads is not None and self.n_threads <= 0:
-            raise KvliteError(f"-t must be positive, got {self.n_threads}")
+        check_int("-c", self.n_ctx)
+        check_int("--chunk", self.chunk, 1)
+        if self.n_threads is not None:
+            check_threads("-t", self.n_threads)
         object.__setattr__(self, "flash_attn", check_types(self.type_k, self.type_v, self.flash_attn))
 
 

@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from .api import CHAT_CTX, Conversation, Session, check_evict, evict_mode
+from .api import CHAT_CTX, Conversation, Session, check_evict, check_text, evict_mode
 from .cache import Snapshot
 from .engine import Model, SamplingParams
 from .errors import KvliteError
+from .limits import check_int
 from .policies import ALL_PARAMS, Policy, make_policy
 from .runner import RunSettings
 
@@ -73,8 +74,10 @@ class ServeConfig:
         check_evict(self.evict)
         if self.slot_save_path is not None and not pathlib.Path(self.slot_save_path).is_dir():
             raise KvliteError(f"--slot-save-path {self.slot_save_path} is not a directory")
-        if not 0 <= self.n_predict <= self.max_tokens:
-            raise KvliteError(f"-n must be in 0..{self.max_tokens}, got {self.n_predict}")
+        check_int("--max-tokens", self.max_tokens)
+        check_int("-n", self.n_predict, 0, self.max_tokens)
+        if self.api_key is not None and not self.api_key.strip():
+            raise KvliteError("--api-key is empty: give a key, or leave the flag out to serve without one")
 
 
 class ApiError(Exception):
@@ -134,6 +137,10 @@ def parse_messages(body: dict) -> list[dict]:
         out.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]")})
     if out[-1]["role"] != "user":
         raise ApiError(400, "the last message must be the user's", param="messages")
+    try:  # as kvlite chat and generate refuse it (a NUL in any message: the template's check)
+        check_text(out[-1]["content"], "the last user message")
+    except KvliteError as e:
+        raise ApiError(400, str(e), param="messages") from None
     return out
 
 
@@ -166,7 +173,10 @@ def parse_request(body: dict, cfg: ServeConfig, default_sampling: SamplingParams
     try:
         sampling = SamplingParams(temp=temp, top_k=top_k, top_p=top_p, seed=seed)
     except KvliteError as e:
-        message = str(e).replace("--temp", "temperature").replace("--top-p", "top_p").replace("--top-k", "top_k")
+        names = {"--temp": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--seed": "seed"}
+        message = str(e)
+        for flag, field in names.items():
+            message = message.replace(flag, field)
         raise ApiError(400, message) from None
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -330,6 +340,8 @@ class Server:
                                n_gpu_layers=self.cfg.n_gpu_layers)  # fmt: skip
         except KvliteError as e:
             self.load_error = str(e)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the server must end, not wait at 503
+            self.load_error = f"the model could not be loaded ({type(e).__name__}: {e})"
 
     def enqueue(self) -> dict:
         """Admit a request (one running, cfg.queue waiting), or answer 503 (before a stream starts)."""
@@ -555,6 +567,7 @@ class Server:
             raise ApiError(400, f"{path.name} is not a kvlite slot file ({e})") from None
         if not isinstance(meta, dict) or meta.get("format") != SLOT_FORMAT:
             raise ApiError(400, f"{path.name} is not a kvlite slot file of format {SLOT_FORMAT}")
+        _check_slot_meta(path.name, meta)
         if (meta["model"], meta["model_bytes"]) != (self.model.path.name, self.model.path.stat().st_size):
             raise ApiError(400, f"{path.name} was saved from {meta['model']}, not {self.model.path.name}")
         try:
@@ -598,6 +611,23 @@ class Server:
             if s.conversation is not None:
                 s.conversation.runner.close()
                 s.conversation = None
+
+
+# what a slot file's metadata holds: a field of another type is a file not written by kvlite
+SLOT_META = {"model": str, "model_bytes": int, "policy": str, "params": dict, "evict": str, "messages": list,
+             "rendered": str, "conversation_id": (str, type(None)), "evicted": int}  # fmt: skip
+
+
+def _check_slot_meta(name: str, meta: dict) -> None:
+    for key, kind in SLOT_META.items():
+        value = meta.get(key)
+        if key not in meta or not isinstance(value, kind) or isinstance(value, bool):
+            raise ApiError(400, f"{name} is not a kvlite slot file: its '{key}' is missing or malformed")
+    if meta["evicted"] < 0 or meta["model_bytes"] < 0:
+        raise ApiError(400, f"{name} is not a kvlite slot file: a negative count")
+    for m in meta["messages"]:
+        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise ApiError(400, f"{name} is not a kvlite slot file: a message is not a role and a text")
 
 
 _F16_LAYOUT = {"type_k": "f16", "type_v": "f16", "rotations": [0, 0]}  # slot files from before cache types

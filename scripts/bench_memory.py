@@ -118,7 +118,7 @@ def main() -> None:
                 row = dict(policy=name, kv_type=kv_type, peak_rss_mb=r["peak_rss_mb"],
                            peak_device_mb=r["peak_device_mb"], prompt_tokens=r["prompt_tokens"],
                            max_cells=r["cache"]["max_cells"], kv_bytes=r["cache"]["kv_bytes"],
-                           evict_s=r["timings"].get("evict_s"),
+                           evict_s=r["timings"].get("evict_s"), prefill_tok_s=r["timings"].get("prefill_tok_s"),
                            decode_tok_s=r["timings"].get("decode_tok_s"))  # fmt: skip
                 full = full or row
                 row["vs_full"] = row["peak_rss_mb"] / full["peak_rss_mb"]
@@ -128,10 +128,10 @@ def main() -> None:
                 dev = "" if r["peak_device_mb"] is None else f"  device {r['peak_device_mb']:7.0f} MiB"
                 if not args.json:
                     share = f"1/{1 / row['kv_vs_first_full']:4.1f} of full {rows[0]['kv_type']}"
+                    speed = f"prefill {row['prefill_tok_s'] or 0:6.1f}, decode {row['decode_tok_s'] or 0:5.1f} tok/s"
                     print(f"{name:10s} {kv_type:6s} {r['prompt_tokens']:6d} tokens  KV "
                           f"{row['kv_bytes'] / 2**20:7.1f} MiB ({share})  peak RSS {row['peak_rss_mb']:7.0f} MB "
-                          f"{row['vs_full']:5.2f}x full {kv_type}{mark}  decode {row['decode_tok_s'] or 0:6.1f} tok/s"
-                          f"{dev}", flush=True)  # fmt: skip
+                          f"{row['vs_full']:5.2f}x full {kv_type}{mark}  {speed}{dev}", flush=True)  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=1))
 

@@ -27,6 +27,8 @@ CMD = shlex.split(os.environ["KVLITE_TEST_CMD"]) if os.environ.get("KVLITE_TEST_
 ROOT = os.geteuid() == 0
 NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"] if ROOT else []
 BAD_UTF8 = b"The code is \xff\xfe 1234.\n"
+CLOSE_STDOUT = ["sh", "-c", 'exec "$@" >&-', "sh"]
+CLOSE_STDIN = ["sh", "-c", 'exec "$@" <&-', "sh"]
 
 
 def kvlite(*args, stdin: bytes | None = None, stdout=None, wrap: list[str] | None = None, timeout: float = 120):
@@ -66,8 +68,21 @@ def files(tmp_path, tiny_paths):
     locked.chmod(0o555)
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
+    head = pathlib.Path(tiny_paths["llama"]).read_bytes()
+    key = b"llama.attention.head_count"
+    at = head.index(key) + len(key) + 4  # after the key, its value type: the u32 value
+    head0 = tmp_path / "head0.gguf"
+    head0.write_bytes(head[:at] + (0).to_bytes(4, "little") + head[at + 4 :])
+    configs = {}
+    for name, text in (("toml_int", b"policies = 3\n"), ("toml_str", b'budgets = ["a"]\n'), ("toml_n", b'n = "x"\n'),
+                       ("toml_utf8", b"policies = ['\xff']\n")):  # fmt: skip
+        (tmp_path / f"{name}.toml").write_bytes(text)
+        configs[name] = str(tmp_path / f"{name}.toml")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
     return {"bad": str(bad), "data": str(data), "secret": str(secret), "locked": str(locked / "out"),
-            "a_file": str(a_file), "missing": str(tmp_path / "missing-dir")}  # fmt: skip
+            "a_file": str(a_file), "missing": str(tmp_path / "missing-dir"), "head0": str(head0),
+            "empty": str(empty), **configs}  # fmt: skip
 
 
 TINY = "{llama}"
@@ -152,11 +167,126 @@ CASES = {
         None,
         "--kv-types 'q9': the cache types are",
     ),  # fmt: skip
+    # issue 27: closed streams (sh closes them: a subprocess cannot start with fd 1 closed otherwise)
+    "stdout closed, generate": (["generate", "-m", TINY, "-p", "hi"], None, CLOSE_STDOUT, "stdout is closed"),
+    "stdout closed, info": (["info", "-m", TINY], None, CLOSE_STDOUT, "stdout is closed"),
+    "stdin closed, generate": (["generate", "-m", TINY], None, CLOSE_STDIN, "stdin is closed"),
+    "stdin closed, chat": (["chat", "-m", TINY], None, CLOSE_STDIN, "stdin is closed"),
+    # crafted headers
+    "head_count 0, info": (["info", "-m", "{head0}"], None, None, "head_count is 0: it must be a positive"),
+    "head_count 0, serve": (["serve", "-m", "{head0}", "--port", "18379"], None, None, "head_count is 0"),
+    # config files of the wrong type
+    "toml policies = 3": (
+        ["eval", "--config", "{toml_int}", "--out", "{missing}-c1"],
+        None,
+        None,
+        "config key policies must be a list of strings, got 3",
+    ),  # fmt: skip
+    "toml budgets = [a]": (
+        ["eval", "--config", "{toml_str}", "--out", "{missing}-c2"],
+        None,
+        None,
+        "config key budgets must be a list of integers",
+    ),  # fmt: skip
+    "toml n = x": (
+        ["eval", "--config", "{toml_n}", "--out", "{missing}-c3"],
+        None,
+        None,
+        "config key n must be an integer",
+    ),  # fmt: skip
+    "toml not utf-8": (
+        ["eval", "--config", "{toml_utf8}", "--out", "{missing}-c4"],
+        None,
+        None,
+        "is not valid UTF-8",
+    ),  # fmt: skip
+    # 32-bit fields and thread counts
+    "-t 100000": (["generate", "-m", TINY, "-p", "hi", "-t", "100000"], None, None, "-t must be in 1..512"),
+    "-t 10**12": (["generate", "-m", TINY, "-p", "hi", "-t", str(10**12)], None, None, "-t must be in 1..512"),
+    "--top-k 2**32+1": (
+        ["generate", "-m", TINY, "-p", "hi", "--top-k", "4294967297", "--temp", "1"],
+        None,
+        None,
+        "--top-k must be in 0..2147483647",
+    ),  # fmt: skip
+    "-c 2**31": (["generate", "-m", TINY, "-p", "hi", "-c", str(2**31)], None, None, "-c must be in 0..2147483647"),
+    "-c beyond memory": (["generate", "-m", TINY, "-p", "hi", "-c", "200000000"], None, None, "MiB of KV cache"),
+    "-T 100000": (
+        ["generate", "-m", TINY, "-p", "hi", "--policy", "laq", "--budget", "64", "-T", "100000"],
+        None,
+        None,
+        "-T must be <= 1024",
+    ),  # fmt: skip
+    "--first-layer 999": (
+        ["generate", "-m", TINY, "-p", "hi", "--policy", "knorm", "--budget", "64", "--first-layer", "999"],
+        None,
+        None,
+        "the model has 3 layers",
+    ),  # fmt: skip
+    "NUL in the prompt": (["generate", "-m", TINY], b"hel\x00lo", None, "contains a NUL character"),
+    # eval options that would run nothing, or something else than asked
+    "eval --max-length -5": (
+        ["eval", "-m", TINY, "--max-length", "-5", "--out", "{missing}-e1"],
+        None,
+        None,
+        "--max-length must be in 0..",
+    ),  # fmt: skip
+    "eval --limit -1": (
+        ["eval", "-m", TINY, "--data", "{data}", "--limit", "-1", "--out", "{missing}-e2"],
+        None,
+        None,
+        "--limit must be in 0..",
+    ),  # fmt: skip
+    "eval --n-predict -1": (
+        ["eval", "-m", TINY, "--n-predict", "-1", "--out", "{missing}-e3"],
+        None,
+        None,
+        "--n-predict must be in 1..",
+    ),  # fmt: skip
+    "eval --budgets ''": (
+        ["eval", "-m", TINY, "--budgets", "", "--out", "{missing}-e4"],
+        None,
+        None,
+        "--budgets names no budget: streaming, snapkv, echokv need one",
+    ),  # fmt: skip
+    "eval --policies ''": (
+        ["eval", "-m", TINY, "--policies", "", "--out", "{missing}-e5"],
+        None,
+        None,
+        "--policies names no policy",
+    ),  # fmt: skip
+    "eval --lengths ''": (
+        ["eval", "-m", TINY, "--lengths", "", "--out", "{missing}-e6"],
+        None,
+        None,
+        "--lengths names no length",
+    ),  # fmt: skip
+    "eval -n 0": (["eval", "-m", TINY, "-n", "0", "--out", "{missing}-e7"], None, None, "-n 0 generates no sample"),
+    "eval empty --data": (
+        ["eval", "-m", TINY, "--data", "{empty}", "--out", "{missing}-e8"],
+        None,
+        None,
+        "holds no line",
+    ),  # fmt: skip
+    "eval -t 100000": (
+        ["eval", "-m", TINY, "-t", "100000", "--out", "{missing}-e9"],
+        None,
+        None,
+        "-t must be in 1..512",
+    ),  # fmt: skip
+    # the server's own flags
+    "serve --api-key ''": (["serve", "-m", TINY, "--api-key", ""], None, None, "--api-key is empty"),
+    "serve --max-tokens -1": (
+        ["serve", "-m", TINY, "--max-tokens", "-1"],
+        None,
+        None,
+        "--max-tokens must be in 0..",
+    ),  # fmt: skip
     "--lengths 0": (
         ["eval", "-m", TINY, "--lengths", "0", "--out", "{missing}-l0"],
         None,
         None,
-        "--lengths must be 256",
+        "--lengths must be in 256..",
     ),  # fmt: skip
 }
 
@@ -279,3 +409,38 @@ def test_odd_context_is_noted(tiny_paths):
     proc = kvlite("generate", "-m", tiny_paths["llama"], "-p", "hi", "-c", "300", "-n", "2", "--json")
     assert proc.returncode == 0
     assert "rounds -c 300 up to 512" in proc.stderr.decode()
+
+
+def test_closed_stdout_and_stderr_leave_nothing_in_the_wrong_place(tiny_paths, tmp_path):
+    """eval with stdout closed still writes its records; generate with stderr closed writes the text
+    alone to stdout (Python would print the summary there, and the next file opened would take the
+    closed descriptor)."""
+    proc = kvlite("eval", "-m", tiny_paths["llama"], "--lengths", "256", "-n", "1", "--tasks", "single",
+                  "--policies", "full", "--out", str(tmp_path / "o"), "--no-plots", wrap=CLOSE_STDOUT)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr.decode(), proc.stderr.decode()
+    assert (tmp_path / "o" / "samples.jsonl").read_text().count("\n") == 1
+    proc = kvlite(
+        "generate", "-m", tiny_paths["llama"], "-p", "hi", "-n", "3", wrap=["sh", "-c", 'exec "$@" 2>&-', "sh"]
+    )
+    assert proc.returncode == 0 and b"[kvlite]" not in proc.stdout and proc.stderr == b"", proc
+
+
+def test_a_resume_skips_lines_that_are_not_records(tiny_paths, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "samples.jsonl").write_text('{"note": 1}\n[1, 2]\n')
+    proc = kvlite("eval", "-m", tiny_paths["llama"], "--lengths", "256", "-n", "1", "--tasks", "single",
+                  "--policies", "full", "--out", str(out), "--no-plots")  # fmt: skip
+    err = proc.stderr.decode()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "2 line(s) are not records of a grid, skipped" in err
+
+
+def test_merge_keeps_the_records_out_already_holds(tiny_paths, tmp_path):
+    """Merging one shard into a directory that holds a whole run adds, and never loses a record."""
+    run = ["-m", tiny_paths["llama"], "--lengths", "256", "-n", "2", "--tasks", "single", "--policies", "full",
+           "--no-plots"]  # fmt: skip
+    assert kvlite("eval", *run, "--out", str(tmp_path / "all")).returncode == 0
+    assert kvlite("eval", *run, "--shard", "1/2", "--out", str(tmp_path / "s1")).returncode == 0
+    proc = kvlite("eval", "--merge", str(tmp_path / "s1"), "--out", str(tmp_path / "all"), "--no-plots")
+    assert proc.returncode == 0 and "held 2 records, now 2" in proc.stderr.decode(), proc.stderr.decode()

@@ -98,6 +98,20 @@ def test_a_turn_longer_than_the_context_is_refused_before_it_is_read(tiny_paths)
     assert runner.timings.prefill_tokens < 64 and (runner.cache.positions().tolist(), conversation.rendered) == before
 
 
+def test_lazy_mode_refuses_a_turn_that_cannot_fit_before_evicting_or_reading(tiny_paths):
+    """Lazy: a turn that would not fit under the cap even beside the budget is refused from its token
+    count: no eviction, no prefill, the conversation as it was."""
+    runner = Runner(Model(tiny_paths["llama"]), make_policy("snapkv", budget=64), RunSettings(n_ctx=256, chunk=64))
+    conversation = Conversation(runner, evict="lazy")
+    conversation.turn("hello " * 20, 4, None, lambda: False)
+    before = (runner.cache.positions().tolist(), conversation.rendered, runner.cache.evicted)
+    prefilled = runner.timings.prefill_tokens
+    with pytest.raises(KvliteError, match="does not fit under the cache cap"):
+        conversation.turn("x" * 400, 4, None, lambda: False)
+    assert runner.timings.prefill_tokens == prefilled
+    assert (runner.cache.positions().tolist(), conversation.rendered, runner.cache.evicted) == before
+
+
 @pytest.mark.slow
 @pytest.mark.model_answer
 def test_ctrl_c_in_chat_stops_the_reply_not_the_program():

@@ -121,9 +121,5 @@ def test_knorm_first_layer_beyond_the_model(tiny_paths):
     from kvlite.engine import Model
 
     model = Model(tiny_paths["llama"])
-    runner = Runner(model, KNorm(budget=20, first_layer=9), RunSettings(n_ctx=256, chunk=64))
-    try:
-        with pytest.raises(KvliteError, match="the model has 3 layers"):
-            runner.feed(list(range(3, 60)))
-    finally:
-        runner.close()
+    with pytest.raises(KvliteError, match="the model has 3 layers"):  # when the runner is made, before any work
+        Runner(model, KNorm(budget=20, first_layer=9), RunSettings(n_ctx=256, chunk=64))

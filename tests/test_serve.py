@@ -174,6 +174,12 @@ BAD = [
     ({"messages": [{"role": "user", "content": "word " * 6000}]}, 400, "context"),
     ({"prompt": "word " * 9000}, 400, "context"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text"),
+    # issue 27: what kvlite generate and chat refuse too
+    ({"messages": FRANCE, "top_k": 2**32 + 1, "temperature": 1}, 400, "top_k must be in 0..2147483647"),
+    ({"messages": FRANCE, "seed": 2**40}, 400, "seed"),
+    ({"messages": [{"role": "user", "content": "  \n "}]}, 400, "the last user message is empty"),
+    ({"prompt": "   "}, 400, "the prompt is empty"),
+    ({"prompt": "hel\x00lo"}, 400, "NUL"),
 ]
 
 
@@ -533,3 +539,33 @@ def test_a_slot_file_restores_only_into_the_cache_it_was_saved_from(tmp_path, mo
                 assert r.status_code == 400 and "holds a -ctk q8_0 -ctv q8_0 (rotated) cache" in message, message
         finally:
             live.stop()
+
+
+def test_slot_files_with_malformed_metadata_are_a_400(tmp_path):
+    """A slot file kvlite did not write (no model, messages as a string, evicted "many") is refused
+    whole: nothing of it reaches a slot, /metrics or a later save."""
+    from kvlite.engine import Model
+    from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+
+    model = Model(str(write_tiny_gguf(tmp_path / "t.gguf", TinySpec(chat_template=True))))
+    live = Live(Server(ServeConfig(slots=1, n_predict=4, slot_save_path=str(tmp_path)), model=model))
+    try:
+        r = live.post("/v1/chat/completions", {"messages": FRANCE}, headers={})
+        assert r.status_code == 200, r.text
+        assert live.post("/slots/0?action=save", {"filename": "good.slot"}, headers={}).status_code == 200
+        with np.load(tmp_path / "good.slot") as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(bytes(arrays["meta"]))
+        for name, change in (("no-model", {"model": None}), ("messages", {"messages": "hi"}),
+                             ("evicted", {"evicted": "many"}), ("role", {"messages": [{"role": "x", "content": ""}]}),
+                             ("negative", {"evicted": -3})):  # fmt: skip
+            bad = {k: v for k, v in {**meta, **change}.items() if v is not None}
+            with open(tmp_path / f"{name}.slot", "wb") as f:
+                np.savez(f, **{**arrays, "meta": np.frombuffer(json.dumps(bad).encode(), np.uint8)})
+            e = live.post("/slots/0?action=restore", {"filename": f"{name}.slot"}, headers={})
+            assert e.status_code == 400 and "is not a kvlite slot file" in e.json()["error"]["message"], e.text
+        metrics = httpx.get(live.url + "/metrics").text
+        assert "many" not in metrics
+        assert live.post("/slots/0?action=restore", {"filename": "good.slot"}, headers={}).status_code == 200
+    finally:
+        live.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
+import sys
 import tempfile
 from collections.abc import Sequence
 
@@ -18,6 +20,44 @@ from .capture import Capture
 from .model import LOG_BUFFERS, LOG_ERRORS, Model, logged_buffers
 
 LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspace view
+
+
+_NOTED: set[tuple[str, int]] = set()
+
+
+def _check_room(model: Model, n_ctx: int, layer_cell_bytes: int, swa_full: bool, type_k: str, type_v: str) -> None:
+    """Refuse, before llama.cpp allocates, a KV cache larger than the memory free where it would
+    live (the machine's, or the GPU's when layers are offloaded), naming both figures; note once a
+    context beyond the model's trained length (llama.cpp runs it; the model never learned it)."""
+    info = model.info
+    sliding = len(info.swa_layers) * (n_ctx if swa_full else min(n_ctx, info.n_swa + 512))
+    need = (len(info.full_layers) * n_ctx + sliding) * layer_cell_bytes
+    where, free = _free_memory(model)
+    if free is not None and need > free:
+        raise KvliteError(f"a {n_ctx}-cell context needs {need >> 20} MiB of KV cache (-ctk {type_k} -ctv "
+                          f"{type_v}); {where} has {free >> 20} MiB free: lower -c or the prompt, evict in chunked "
+                          "mode (--mode chunked: budget + chunk cells) or quantize it (-ctk/-ctv q8_0)")  # fmt: skip
+    if info.n_ctx_train and n_ctx > info.n_ctx_train and (info.path, n_ctx) not in _NOTED:
+        _NOTED.add((info.path, n_ctx))
+        print(f"kvlite: note: a context of {n_ctx} cells is beyond the {info.n_ctx_train} positions "
+              f"{pathlib.Path(info.path).name} was trained on: llama.cpp runs it, but quality past them is not "
+              "the model's", file=sys.stderr)  # fmt: skip
+
+
+def _free_memory(model: Model) -> tuple[str, int | None]:
+    if model.n_gpu_layers:
+        from ..native import default_device, devices
+
+        name = default_device()
+        free = next((d["free_mib"] << 20 for d in devices() if d["name"] == name), None)
+        return name, free or None  # a device that reports no memory (RPC, some iGPUs): not checked
+    try:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return "this machine", int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return "this machine", None  # not Linux: not checked
 
 
 class Context:
@@ -65,6 +105,7 @@ class Context:
         n_embd_kv = model.info.n_head_kv * model.info.head_dim
         # K and V bytes one cell takes in one layer
         self.layer_cell_bytes = cachetypes.row_bytes(type_k, n_embd_kv) + cachetypes.row_bytes(type_v, n_embd_kv)
+        _check_room(model, n_ctx, self.layer_cell_bytes, swa_full, type_k, type_v)
         p.no_perf = True
         if capture is not None:
             p.cb_eval = capture.callback

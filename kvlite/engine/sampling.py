@@ -9,6 +9,7 @@ import llama_cpp as L
 import numpy as np
 
 from ..errors import KvliteError
+from ..limits import UINT32_MAX, check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +24,8 @@ class SamplingParams:
             raise KvliteError(f"--temp must be a finite number >= 0, got {self.temp}")
         if not 0 < self.top_p <= 1:
             raise KvliteError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise KvliteError(f"--top-k must be >= 0, got {self.top_k}")
+        check_int("--top-k", self.top_k)  # llama.cpp's int32: 2^32 + 1 would wrap to 1, greedy
+        check_int("--seed", self.seed, -1, UINT32_MAX)  # -1: llama.cpp's random seed
 
 
 class Sampler:

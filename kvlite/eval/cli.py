@@ -91,7 +91,7 @@ def cmd_eval(args) -> int:
     from ..progress import progress_bar
     from . import report
     from .grid import Grid, GridConfig
-    from .records import prepare_out, read_records, write_atomic
+    from .records import prepare_out, read_records, record_key, write_atomic
 
     overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
                                                "n", "seed", "split", "depth", "policies", "budgets", "n_predict",
@@ -112,13 +112,16 @@ def cmd_eval(args) -> int:
             if not d.is_dir():
                 raise KvliteError(f"--merge: not a directory: {d}")
         prepare_out(out)
-        merged = {}
+        # with the records --out already holds: a merge adds, never replaces what it did not read
+        merged = {record_key(r): r for r in read_records(out)}
+        before = len(merged)
         for d in map(pathlib.Path, args.merge):
             for r in read_records(d):
-                merged[(r["model"], r["task"], r["sample"], r["policy"], r["budget"])] = r
+                merged[record_key(r)] = r
             for err in d.glob("errors*.jsonl"):
                 shutil.copyfile(err, out / f"errors.{d.name}.jsonl")
         write_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in merged.values()))
+        print(f"[kvlite eval] merged: {out} held {before} records, now {len(merged)}", file=sys.stderr)
     else:
         grid = Grid(cfg)
         with progress_bar(grid.count_todo(), "eval", unit="cell") as bar:

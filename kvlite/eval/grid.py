@@ -13,11 +13,14 @@ import re
 import sys
 import time
 import tomllib
+import types
+import typing
 from collections.abc import Callable, Iterator
 
 from ..engine import Model
 from ..engine.cachetypes import CACHE_TYPES
 from ..errors import KvliteError
+from ..limits import INT32_MAX, check_int, check_threads
 from ..models import resolve_model
 from ..policies import POLICIES, FullKV, Param, Policy, make_policy
 from . import longbench, multiturn, tasks
@@ -76,9 +79,11 @@ class GridConfig:
         values: dict = {}
         if path is not None:
             try:
-                raw = tomllib.loads(pathlib.Path(path).read_text())
-            except FileNotFoundError:
-                raise KvliteError(f"config file not found: {path}") from None
+                raw = tomllib.loads(pathlib.Path(path).read_bytes().decode("utf-8"))
+            except OSError as e:
+                raise KvliteError(f"cannot read config file {path}: {e.strerror or e}") from None
+            except UnicodeDecodeError as e:
+                raise KvliteError(f"{path} is not valid UTF-8 (byte {e.start}): TOML files are UTF-8") from None
             except tomllib.TOMLDecodeError as e:
                 raise KvliteError(f"{path}: not valid TOML ({e})") from None
             values = {k.replace("-", "_"): v for k, v in raw.items()}
@@ -87,11 +92,21 @@ class GridConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise KvliteError(f"unknown config key(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
+        hints = typing.get_type_hints(cls)
+        for key, value in values.items():
+            if not _is(value, hints[key]):
+                raise KvliteError(f"config key {key} must be {_describe_type(hints[key])}, got {value!r}")
         cfg = cls(**values)
         cfg.validate()
+        if not cfg.tasks and not cfg.data:  # (a Ray worker's config has neither: its samples come with it)
+            raise KvliteError("--tasks names no task and there is no --data: nothing to evaluate")
         return cfg
 
     def validate(self) -> None:
+        """Every value in range, the same words whatever gave it (flag, TOML key, Python): a grid
+        that would run nothing, or run something else than asked, is refused before any work."""
+        if not self.policies:
+            raise KvliteError("--policies names no policy")
         for spec in self.policies:
             parse_spec(spec)
         if not self.kv_types:
@@ -99,18 +114,28 @@ class GridConfig:
         for t in self.kv_types:
             if t not in CACHE_TYPES:
                 raise KvliteError(f"--kv-types {t!r}: the cache types are {', '.join(CACHE_TYPES)}")
-        if any(b <= 0 for b in self.budgets):
-            raise KvliteError(f"budgets must be positive, got {self.budgets}")
-        if any(n < tasks.MIN_LENGTH for n in self.lengths):
-            raise KvliteError(f"--lengths must be {tasks.MIN_LENGTH} tokens or more, got {self.lengths}")
-        if self.n < 0:
-            raise KvliteError(f"n must be >= 0, got {self.n}")
-        if self.threads is not None and self.threads <= 0:
-            raise KvliteError(f"-t must be a positive number of threads, got {self.threads}")
+        for b in self.budgets:
+            check_int("--budgets", b, 1)
+        evicting = [p for p in self.policies if parse_spec(p)[0] != "full"]
+        if evicting and not self.budgets:
+            raise KvliteError(f"--budgets names no budget: {', '.join(evicting)} need one")
+        for n in self.lengths:
+            check_int("--lengths", n, tasks.MIN_LENGTH)
+        check_int("-n", self.n)
+        check_int("--seed", self.seed, -INT32_MAX)
+        check_int("--max-length", self.max_length)
+        check_int("--limit", self.limit)
+        if self.n_predict is not None:
+            check_int("--n-predict", self.n_predict, 1)  # a cell scores what it generates
+        if self.depth is not None and not 0 <= self.depth <= 1:  # NaN fails it too
+            raise KvliteError(f"--depth must be in 0..1 (a share of the prompt), got {self.depth}")
+        check_int("diagnostics_budget", self.diagnostics_budget, 1)
+        check_int("diagnostics_workspace", self.diagnostics_workspace, 1)
+        if self.threads is not None:
+            check_threads("-t", self.threads)
         if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
             raise KvliteError(f"-ngl must be 0 or more layers, got {self.n_gpu_layers}")
-        if self.ray_retries < 0:
-            raise KvliteError(f"ray_retries must be 0 or more, got {self.ray_retries}")
+        check_int("ray_retries", self.ray_retries)
         if self.split not in tasks.SPLITS:
             raise KvliteError(f"--split must be one of {', '.join(tasks.SPLITS)}, got '{self.split}'")
         if self.tasks is None:
@@ -118,16 +143,48 @@ class GridConfig:
         for t in self.tasks:
             if t not in tasks.TASKS:
                 raise KvliteError(f"unknown task '{t}': choose from {', '.join(tasks.TASKS)}")
+        if self.tasks and not self.lengths:
+            raise KvliteError("--lengths names no length for the generated tasks")
+        if self.tasks and not self.n:
+            raise KvliteError("-n 0 generates no sample: give -n 1 or more")
         shard_of(self.shard)
         for path in self.data:
             if not pathlib.Path(path).is_file():
                 raise KvliteError(f"data file not found: {path}")
+            with open(path, "rb") as f:
+                if not any(line.strip() for line in f):
+                    raise KvliteError(f"data file {path} holds no line: nothing to evaluate")
         if pathlib.Path(self.out).exists() and not pathlib.Path(self.out).is_dir():
             raise KvliteError(f"--out {self.out} is a file: name a directory (new or from an earlier run)")
 
     @property
     def out_dir(self) -> pathlib.Path:
         return pathlib.Path(self.out)
+
+
+def _is(value: object, hint) -> bool:
+    """Whether a config value has its field's type (list[int], str | None, ...); an int for a float."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is(value, a) for a in args)
+    if typing.get_origin(hint) is list:
+        return isinstance(value, list) and all(_is(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe_type(hint) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in args)
+    if typing.get_origin(hint) is list:
+        return "a list of " + {int: "integers", str: "strings"}.get(args[0], "values")
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, "none")
 
 
 def shard_of(text: str) -> tuple[int, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import pathlib
+import sys
 
 from ..errors import KvliteError
 
@@ -14,18 +15,38 @@ def record_key(r: dict) -> tuple:
     return (r["model"], r["task"], r["sample"], r["policy"], r["budget"])
 
 
+def is_record(r: object) -> bool:
+    """A line a grid wrote: an object with the fields of its key (a hand-edited or foreign line is not)."""
+    if not isinstance(r, dict):
+        return False
+    key = (r.get("model"), r.get("task"), r.get("sample"), r.get("policy"))
+    return all(isinstance(v, str) for v in key[:2] + key[3:]) and isinstance(key[2], (int, str)) and (
+        r.get("budget") is None or isinstance(r.get("budget"), int)) and "budget" in r  # fmt: skip
+
+
 def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dict]:
-    """Every record in a directory's sample files (a truncated last line, from a kill, is skipped)."""
+    """Every record in a directory's sample files. A truncated last line (from a kill) is skipped;
+    other lines that are not records are skipped and named on stderr, so that a resume or a
+    summary never stops on them and never counts them."""
     records: dict[tuple, dict] = {}
     # A finished stage's records may be stored gzipped (results-runs/ keeps large files small).
     for path in sorted(out.glob(pattern)) + sorted(out.glob(pattern + ".gz")):
-        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        for line in text.splitlines():
+        data = path.read_bytes()
+        text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode(errors="replace")
+        lines = text.splitlines()
+        foreign = 0
+        for i, line in enumerate(lines):
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
+                foreign += i < len(lines) - 1 and bool(line.strip())  # a cut last line is a kill's, not news
+                continue
+            if not is_record(r):
+                foreign += 1
                 continue
             records[record_key(r)] = r
+        if foreign:
+            print(f"kvlite eval: {path}: {foreign} line(s) are not records of a grid, skipped", file=sys.stderr)
     return list(records.values())
 
 

@@ -76,6 +76,7 @@ def parameter_table() -> str:
             values = ", ".join(p.choices)
         else:
             values = f">= {p.minimum:g}" if p.minimum is not None else "any"
+            values = f"{p.minimum:g}..{p.maximum:g}" if p.maximum is not None and p.minimum is not None else values
             values += ", odd or 0" if p.odd else ""
         rows.append(f"| {flag} | `{p.alias or name}` | {values} | {p.help} | {default_summary(name)} |")
     return "\n".join(rows)

@@ -9,16 +9,19 @@ import numpy as np
 
 from ..scoring.aggregate import METHODS
 from .base import Policy, param
-from .observe import Observation
+from .observe import Observation, Queries
 
 
 def observation_param(default: int):
     return param(default, "--observation", "last prompt queries whose attention scores the cache", minimum=1)
 
 
+MAX_LOOKAHEAD = 1024  # the papers look 8-32 tokens ahead; thousands would be a generation of its own per eviction
+
+
 def lookahead_param(default: int):
     return param(default, "--lookahead", "lookahead steps: future positions (dapq) or greedy workspace forward "
-                 "passes (laq, echokv)", short="-T", alias="T", minimum=1)  # fmt: skip
+                 "passes (laq, echokv)", short="-T", alias="T", minimum=1, maximum=MAX_LOOKAHEAD)  # fmt: skip
 
 
 def pool_kernel_param(default: int):
@@ -42,7 +45,7 @@ class AttentionPolicy(Policy):
     def scores_depend_on_budget(self) -> bool:
         return self.aggregation == "votes"  # votes count top-budget memberships
 
-    def score_queries(self, obs: Observation, queries: np.ndarray) -> np.ndarray:
+    def score_queries(self, obs: Observation, queries: Queries) -> np.ndarray:
         return obs.token_scores(queries, self.aggregation, self.pool_kernel, self.budget or 1)
 
 

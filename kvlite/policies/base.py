@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..errors import KvliteError
+from ..limits import INT32_MAX
 
 if TYPE_CHECKING:
     from ..models import ModelInfo
@@ -29,7 +30,8 @@ MODES = ("prefill-end", "chunked")
 class Param:
     """One policy parameter as users see it. flag: the CLI spelling (--pool-kernel); short: a
     llama.cpp-style short flag (-T); alias: the short name in eval specs (echokv(kernel=13));
-    minimum / choices / odd: the allowed values (odd: an odd number, or 0)."""
+    minimum / maximum / choices / odd: the allowed values (odd: an odd number, or 0); an integer's
+    maximum is at most llama.cpp's int32 range (limits.INT32_MAX)."""
 
     flag: str
     help: str
@@ -37,6 +39,7 @@ class Param:
     short: str | None = None
     alias: str | None = None
     minimum: float | None = None
+    maximum: float | None = None
     choices: tuple[str, ...] | None = None
     odd: bool = False
 
@@ -60,6 +63,9 @@ class Param:
             raise KvliteError(f"{self.spelling} must be a finite number, got {value}")
         if self.minimum is not None and value < self.minimum:
             raise KvliteError(f"{self.spelling} must be >= {self.minimum:g}, got {value}")
+        maximum = INT32_MAX if self.type is int and self.maximum is None else self.maximum
+        if maximum is not None and value > maximum:
+            raise KvliteError(f"{self.spelling} must be <= {maximum:g}, got {value}")
         if self.odd and value > 1 and value % 2 == 0:
             raise KvliteError(f"{self.spelling} must be odd (or 0), got {value}")
 
