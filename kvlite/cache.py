@@ -70,8 +70,15 @@ class CachedKV:
     def layer(self, il: int, cells: np.ndarray | None = None) -> np.ndarray:
         """Layer il's keys [n_head_kv, n, head_dim]; cells: only these (indices into `positions`)."""
         order = self.order if cells is None else self.order[cells]
-        rows = self._k(il, order)  # [n, n_head_kv * head_dim]
-        return np.ascontiguousarray(rows.reshape(len(order), self.n_head_kv, -1).transpose(1, 0, 2))
+        at = self._at(il)
+        rows = self.file.k(at, order)  # [n, n_head_kv * head_dim] as stored
+        heads = np.ascontiguousarray(rows.reshape(len(order), self.n_head_kv, -1).transpose(1, 0, 2))
+        if heads.dtype in (np.float32, np.float16):
+            return heads
+        # blocks never straddle heads (cachetypes.check_head_dim): widened heads-first, one f32 copy
+        raw = heads.view(np.uint8).reshape(self.n_head_kv * len(order), -1)
+        keys = native().to_float(self.file.layout.k_types[at][0], raw, self.n_embd_kv // self.n_head_kv)
+        return cachetypes.unrotate(keys, self.rotations[0]).reshape(self.n_head_kv, len(order), -1)
 
     def k_rows(self, il: int) -> np.ndarray:
         """Layer il's K rows [n, n_head_kv * head_dim] (f32 or f16 as stored; other types as f32), in

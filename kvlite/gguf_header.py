@@ -49,6 +49,13 @@ class _Cut(Exception):
     pass
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """A value read from a file, for a one-line message: repr'd (no raw newline or control
+    character), and cut to `limit` characters (a crafted string or array can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_DEPTH = 4  # arrays of arrays: llama.cpp's own files nest none
 
@@ -127,12 +134,12 @@ def read_header(path: str) -> GGUFHeader:
                 name = r.string()
                 n_dims = r.unpack("<I")
                 if n_dims > MAX_DIMS:
-                    raise KvliteError(f"{path}: tensor {name[:64]!r} has {n_dims} dimensions (ggml has {MAX_DIMS})")
+                    raise KvliteError(f"{path}: tensor {shown(name)} has {n_dims} dimensions (ggml has {MAX_DIMS})")
                 shape = tuple(r.unpack("<Q") for _ in range(n_dims))
                 tensors.append(TensorInfo(name, shape, r.unpack("<I"), r.unpack("<Q")))
             align = metadata.get("general.alignment", 32)
             if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
-                raise KvliteError(f"{path}: general.alignment {align!r} is not a power of two (gguf.cpp refuses it)")
+                raise KvliteError(f"{path}: general.alignment {shown(align)} is not a power of two (gguf.cpp says so)")
             pos = f.tell()
             data_start = (pos + align - 1) // align * align
         except _Cut:
@@ -148,7 +155,7 @@ def tensor_nbytes(t: TensorInfo) -> int:
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
     except (ValueError, KeyError):
-        raise KvliteError(f"tensor {t.name} has an unknown ggml type {t.ggml_type}") from None
+        raise KvliteError(f"tensor {shown(t.name)} has an unknown ggml type {t.ggml_type}") from None
     n = 1
     for d in t.shape:
         n *= d

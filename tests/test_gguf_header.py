@@ -112,6 +112,13 @@ def test_the_crafted_headers_of_issue_27(tiny_paths, tmp_path):
     n_head = with_value("llama.attention.head_count", "<I", 0)
     with pytest.raises(KvliteError, match="head_count is 0: it must be a positive"):
         read_model_info(n_head)
+    crafted = tmp_path / "newline.gguf"  # a value quoted in a message stays on its one line
+    with open(crafted, "wb") as f:
+        f.write(head.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00ll\nma", 1))
+        f.truncate(size)
+    with pytest.raises(KvliteError, match=r"unsupported architecture 'll\\nma'") as e:
+        read_model_info(crafted)
+    assert "\n" not in str(e.value)
     long_name = with_value("general.architecture", "<Q", 2**63)  # a string value's length
     with pytest.raises(KvliteError, match="ends inside the GGUF header"):
         read_model_info(long_name)

@@ -7,6 +7,7 @@ kvlite reads such rows back as the model's vectors: dequantized, then rotated ba
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -93,6 +94,7 @@ def rotations(type_k: str, type_v: str, head_dim: int) -> tuple[int, int]:
     return (n_k if quantized(type_k) else 0), (64 if quantized(type_v) else 0)
 
 
+@functools.cache
 def hadamard(n: int) -> np.ndarray:
     """llama.cpp's ggml_gen_hadamard: Sylvester's matrix in natural order over sqrt(n),
     H[i, j] = (-1)^popcount(i & j) / sqrt(n); symmetric and orthonormal, so its own inverse."""
@@ -105,9 +107,12 @@ def hadamard(n: int) -> np.ndarray:
     return ((1 - 2 * parity) / np.sqrt(n)).astype(np.float32)
 
 
-def unrotate(rows: np.ndarray, n: int) -> np.ndarray:
-    """Rows [cells, width] f32 as the model made them: every n consecutive values (within one
-    head, since n divides the head size) multiplied by H_n again."""
-    if not n:
-        return rows
-    return (rows.reshape(-1, n) @ hadamard(n)).reshape(rows.shape)
+def unrotate(rows: np.ndarray, n: int, block: int = 8192) -> np.ndarray:
+    """f32 rows (any shape whose last axis holds whole n-chunks, within one head since n divides the
+    head size) as the model made them: every n consecutive values multiplied by H_n again, in
+    place, a block of chunks at a time (no second copy of a layer)."""
+    if n:
+        flat, h = rows.reshape(-1, n), hadamard(n)
+        for s in range(0, len(flat), block):
+            flat[s : s + block] = flat[s : s + block] @ h
+    return rows
