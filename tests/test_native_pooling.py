@@ -167,5 +167,7 @@ def test_the_kernels_run_on_the_threads_the_context_decodes_with(tiny_paths):
     for n in (1, 2, 1):
         Context(model, n_ctx=64, n_threads=n)
         assert native().n_threads == n
-    with pytest.raises(KvliteError, match="-t must be positive"):
+    with pytest.raises(KvliteError, match="-t must be a positive number of threads"):
         native().set_threads(0)
+    with pytest.raises(KvliteError, match=r"-t must be in 1\.\.512"):  # ggml's thread pool holds 512
+        native().set_threads(100_000)
