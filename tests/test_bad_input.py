@@ -210,7 +210,7 @@ CASES = {
         "--top-k must be in 0..2147483647",
     ),  # fmt: skip
     "-c 2**31": (["generate", "-m", TINY, "-p", "hi", "-c", str(2**31)], None, None, "-c must be in 0..2147483647"),
-    "-c beyond memory": (["generate", "-m", TINY, "-p", "hi", "-c", "200000000"], None, None, "MiB of KV cache"),
+    "-c beyond memory": (["generate", "-m", TINY, "-p", "hi", "-c", "2000000000"], None, None, "MiB of KV cache"),
     "-T 100000": (
         ["generate", "-m", TINY, "-p", "hi", "--policy", "laq", "--budget", "64", "-T", "100000"],
         None,
