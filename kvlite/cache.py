@@ -69,16 +69,24 @@ class CachedKV:
 
     def layer(self, il: int, cells: np.ndarray | None = None) -> np.ndarray:
         """Layer il's keys [n_head_kv, n, head_dim]; cells: only these (indices into `positions`)."""
+        ggml_type, heads = self.layer_blocks(il, cells)
+        if heads.dtype != np.uint8:
+            return heads
+        n = heads.shape[1]
+        keys = native().to_float(ggml_type, heads.reshape(self.n_head_kv * n, -1), self.n_embd_kv // self.n_head_kv)
+        return cachetypes.unrotate(keys, self.rotations[0]).reshape(self.n_head_kv, n, -1)
+
+    def layer_blocks(self, il: int, cells: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """Layer il's keys heads-first as stored: (ggml type, [n_head_kv, n, head_dim] f32 or f16, or
+        the bytes [n_head_kv, n, head bytes] of another type: blocks never straddle heads,
+        cachetypes.check_head_dim), still rotated (rotations[0]) for a quantized type."""
         order = self.order if cells is None else self.order[cells]
         at = self._at(il)
         rows = self.file.k(at, order)  # [n, n_head_kv * head_dim] as stored
         heads = np.ascontiguousarray(rows.reshape(len(order), self.n_head_kv, -1).transpose(1, 0, 2))
-        if heads.dtype in (np.float32, np.float16):
-            return heads
-        # blocks never straddle heads (cachetypes.check_head_dim): widened heads-first, one f32 copy
-        raw = heads.view(np.uint8).reshape(self.n_head_kv * len(order), -1)
-        keys = native().to_float(self.file.layout.k_types[at][0], raw, self.n_embd_kv // self.n_head_kv)
-        return cachetypes.unrotate(keys, self.rotations[0]).reshape(self.n_head_kv, len(order), -1)
+        if heads.dtype not in (np.float32, np.float16):
+            heads = heads.view(np.uint8).reshape(self.n_head_kv, len(order), -1)
+        return self.file.layout.k_types[at][0], heads
 
     def k_rows(self, il: int) -> np.ndarray:
         """Layer il's K rows [n, n_head_kv * head_dim] (f32 or f16 as stored; other types as f32), in

@@ -149,14 +149,22 @@ def read_header(path: str) -> GGUFHeader:
     return GGUFHeader(metadata=metadata, tensors=tensors, data_start=data_start)
 
 
-def tensor_nbytes(t: TensorInfo) -> int:
+def row_bytes(ggml_type: int, n: int) -> int:
+    """Bytes of n values of a ggml type (n a multiple of its block): ggml_row_size."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     except (ValueError, KeyError):
-        raise KvliteError(f"tensor {shown(t.name)} has an unknown ggml type {t.ggml_type}") from None
+        raise KvliteError(f"unknown ggml type {ggml_type}") from None
+    return n // block * size
+
+
+def tensor_nbytes(t: TensorInfo) -> int:
     n = 1
     for d in t.shape:
         n *= d
-    return n // block * size
+    try:
+        return row_bytes(t.ggml_type, n)
+    except KvliteError:
+        raise KvliteError(f"tensor {shown(t.name)} has an unknown ggml type {t.ggml_type}") from None

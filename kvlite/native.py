@@ -20,6 +20,7 @@ import llama_cpp  # noqa: F401  -- maps libggml* first, so the kernels share lla
 import numpy as np
 
 from .errors import KvliteError
+from .gguf_header import row_bytes
 from .limits import check_threads
 
 if TYPE_CHECKING:
@@ -183,11 +184,13 @@ class Native:
         pool_kernel: int = 0,
         reduce: str = "sum",
         causal_tail: int = 0,
+        k_type: int | None = None,
     ) -> np.ndarray:
         """EchoKV Eq. 3 per layer and KV group (reduce="sum"), or KVzip's score (reduce="max").
 
         q: [n_layer, n_head, n_q, head_dim] float32 (post-RoPE queries);
-        k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score);
+        k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score), or
+        uint8 [n_layer, n_head_kv, n_keys, row bytes] of ggml type k_type (a quantized cache's blocks);
         key_mask: bool [n_keys], False for keys outside the softmax (they score 0);
         chunk: keys per chunk (0: one chunk while its logits stay under 16 MB, the fastest: 16K keys
         ran ~2x faster in one chunk than in chunks of 4K; queries go in blocks that keep it so, and
@@ -202,13 +205,19 @@ class Native:
         if q.ndim != 4 or k.ndim != 4:
             raise KvliteError(f"attn_pool wants 4-d q and k, got q{q.shape} k{k.shape}")
         n_layer, n_head, n_q, head_dim = q.shape
-        if k.shape[0] != n_layer or k.shape[3] != head_dim or n_head % k.shape[1] != 0:
-            raise KvliteError(f"attn_pool: q{q.shape} and k{k.shape} do not match (layers, head_dim, GQA)")
         if q.dtype != np.float32:
             raise KvliteError(f"attn_pool: q must be float32, got {q.dtype}")
-        k_type = {np.dtype(np.float32): GGML_TYPE_F32, np.dtype(np.float16): GGML_TYPE_F16}.get(k.dtype)
         if k_type is None:
-            raise KvliteError(f"attn_pool: k must be float32 or float16, got {k.dtype}")
+            k_type = {np.dtype(np.float32): GGML_TYPE_F32, np.dtype(np.float16): GGML_TYPE_F16}.get(k.dtype)
+            if k_type is None:
+                raise KvliteError(f"attn_pool: k must be float32 or float16 (or bytes with k_type), got {k.dtype}")
+            row = head_dim
+        elif k.dtype != np.uint8:
+            raise KvliteError(f"attn_pool: k of ggml type {k_type} must be its bytes (uint8), got {k.dtype}")
+        else:
+            row = row_bytes(k_type, head_dim)
+        if k.shape[0] != n_layer or k.shape[3] != row or n_head % k.shape[1] != 0:
+            raise KvliteError(f"attn_pool: q{q.shape} and k{k.shape} do not match (layers, head_dim, GQA)")
         n_head_kv, n_keys = k.shape[1], k.shape[2]
         if n_q == 0 or n_keys == 0:
             raise KvliteError(f"attn_pool: no queries or no keys (q{q.shape} k{k.shape})")

@@ -40,7 +40,7 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
 // causal_tail: the last causal_tail keys are the queries' own (n_q == causal_tail): query r sees
 // tail key j only for j <= r, as a model reading them in order (KVzip's repeated tokens).
 //   q:        f32 [n_layer, n_head, n_q, head_dim]
-//   k:        f32 or f16 (k_type: 0 = f32, 1 = f16) [n_layer, n_head_kv, n_keys, head_dim]
+//   k:        [n_layer, n_head_kv, n_keys, head_dim] of ggml type k_type (f32, f16, bf16, q8_0, ...)
 //   key_mask: f32 [n_keys], 0 for a key that counts, a large negative value (-1e30) for one that
 //             does not (its probability is 0); NULL: every key counts
 //   chunk:    keys per chunk (0: automatic, see below)
@@ -146,12 +146,18 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
         causal_tail < 0 || causal_tail > n_keys || (causal_tail > 0 && causal_tail != n_q)) {
         return KVL_BAD_SHAPE;
     }
-    if (k_type != GGML_TYPE_F32 && k_type != GGML_TYPE_F16) return KVL_BAD_TYPE;
+    // f32, f16, or any type ggml can widen (a quantized cache's blocks, read as stored: the graph
+    // casts each chunk to f32, so no widened copy of a layer is ever made on the host)
+    if (k_type != GGML_TYPE_F32 && (k_type < 0 || k_type >= GGML_TYPE_COUNT ||
+                                    !ggml_get_type_traits((enum ggml_type) k_type)->to_float ||
+                                    head_dim % ggml_blck_size((enum ggml_type) k_type))) {
+        return KVL_BAD_TYPE;
+    }
     const size_t per_query = 4u * (size_t) n_keys * (size_t) n_head;  // bytes of one query's probabilities
     const int block = per_query >= KVL_POOL_BYTES ? 1 : (int) (KVL_POOL_BYTES / per_query < (size_t) n_q ?
                                                               KVL_POOL_BYTES / per_query : (size_t) n_q);
     const size_t q_layer = (size_t) n_head * n_q * head_dim;
-    const size_t k_layer = (size_t) n_head_kv * n_keys * head_dim * (k_type == GGML_TYPE_F32 ? 4 : 2);
+    const size_t k_layer = (size_t) n_head_kv * n_keys * ggml_row_size((enum ggml_type) k_type, head_dim);
     const size_t n_out = (size_t) n_head_kv * n_keys;
     float * part = n_q > block ? malloc(sizeof(float) * n_out) : NULL;
     if (n_q > block && !part) return KVL_NO_MEMORY;

@@ -22,6 +22,7 @@ from kvlite.engine import LIVE, Capture, Context, Model, cachetypes, kvstate
 from kvlite.errors import KvliteError
 from kvlite.native import native
 from kvlite.policies import POLICIES, KNorm, make_policy
+from kvlite.policies.observe import pooled_layer
 from kvlite.reference.counter_causal import counter_causal_logits
 from kvlite.reference.model import ReferenceModel
 from kvlite.reference.quant import cache_rows, hadamard
@@ -131,7 +132,7 @@ def test_rows_match_the_twin(paths, name, kv_type, rotation):
         kv.close()
 
 
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "bf16"])
 def test_scores_match_the_twin(paths, kv_type, rotation):
     """Attention pooling (EchoKV, LAQ, SnapKV, KVzip's kernel) of captured queries over the cached
     keys, and K-norm, each against its torch twin over the twin's keys from the same bytes."""
@@ -150,10 +151,13 @@ def test_scores_match_the_twin(paths, kv_type, rotation):
     try:
         keys = np.stack([kv.layer(il) for il in range(info.n_layer)])
         got = native().attn_pool(q, keys, info.kq_scale, pool_kernel=3)
+        # what policies call: the blocks as stored, the queries rotated instead of the keys
+        blocks = np.concatenate([pooled_layer(q[il : il + 1], kv, il, info.kq_scale, 3) for il in range(info.n_layer)])
     finally:
         kv.close()
     want = attn_pool(torch.from_numpy(q).double(), twin_k, info.kq_scale, pool_kernel=3).numpy()
     np.testing.assert_allclose(got, want, atol=ATOL_SCORES, rtol=0)
+    np.testing.assert_allclose(blocks, want, atol=ATOL_SCORES, rtol=0)
 
     runner = Runner(model, KNorm(budget=30), RunSettings(n_ctx=256, chunk=64, type_k=kv_type, type_v=kv_type))
     try:

@@ -13,8 +13,8 @@ import re
 
 import llama_cpp as L
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .. import gguf_header
 from ..errors import KvliteError
 
 # common/arg.cpp's kv_cache_types, in its order
@@ -72,8 +72,7 @@ def check_head_dim(type_k: str, type_v: str, head_dim: int) -> None:
 
 def row_bytes(name: str, n: int) -> int:
     """Bytes of n values of a cache type (n a multiple of its block)."""
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(CACHE_TYPES[name])]
-    return n // block * size
+    return gguf_header.row_bytes(CACHE_TYPES[name], n)
 
 
 def rotation_disabled() -> bool:

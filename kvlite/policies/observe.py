@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..engine import Capture, Context
+from ..engine import Capture, Context, cachetypes
 from ..errors import KvliteError
 from ..native import native
 from ..scoring.aggregate import aggregate
@@ -78,9 +78,8 @@ class Observation:
         """EchoKV Eq. 3 of these queries over every resident cell: [L, Hkv, n], a layer at a time.
         queries: [L, H, n, D], or a function of i giving layer i's [1, H, n, D] (made when scored)."""
         keys = self.keys
-        pool, scale = native().attn_pool, self.info.kq_scale
         layer = queries if callable(queries) else (lambda i: queries[i : i + 1])
-        return np.concatenate([pool(layer(i), keys.layer(il)[None], scale, pool_kernel=pool_kernel)
+        return np.concatenate([pooled_layer(layer(i), keys, il, self.info.kq_scale, pool_kernel)
                                for i, il in enumerate(keys.layers)])  # fmt: skip
 
     def token_scores(self, queries: Queries, aggregation: str, pool_kernel: int, budget: int) -> np.ndarray:
@@ -169,6 +168,18 @@ class Lookahead:
     def close(self) -> None:
         if self.cache.workspace_active:
             self.cache.workspace_drop()
+
+
+def pooled_layer(q: np.ndarray, keys: CachedKV, il: int, scale: float, pool_kernel: int = 0) -> np.ndarray:
+    """Eq. 3 of queries q [1, H, n_q, D] over layer il's cached keys, read as llama.cpp stores them:
+    a quantized cache's blocks go to the kernel as they are, and the queries are rotated by the
+    same Hadamard matrix as its keys ((Hq).(Hk) = q.k), as llama.cpp's own graph does; so no f32
+    copy of the layer is made on the host."""
+    k_type, k = keys.layer_blocks(il)
+    if k.dtype != np.uint8:
+        return native().attn_pool(q, k[None], scale, pool_kernel=pool_kernel)
+    q = cachetypes.unrotate(np.array(q, dtype=np.float32), keys.rotations[0])  # H is its own inverse
+    return native().attn_pool(q, k[None], scale, pool_kernel=pool_kernel, k_type=k_type)
 
 
 def _heads_first(a: np.ndarray) -> np.ndarray:
