@@ -703,12 +703,11 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   -0.55). Query-agnostic scoring did not pay on these models outside the prose it was chosen on.
 
 - **Gemma-3-270M** (issue 24; a base model prompted as a plain completion, sliding-window layers
-  scored on their global layers). At 2K, 63 of the 72 test samples so far (all of single and
-  multikey, 15 of two-hop): the full cache 0.72 [0.61, 0.83]; LAQ 0.68 and 0.71 at 128 and 256 cells,
-  EchoKV 0.67 and 0.70, tied (EchoKV - LAQ -0.02 [-0.10, 0.06] and -0.02 [-0.06, 0.03]); both ahead
-  of SnapKV (0.08, 0.22) and StreamingLLM (0.09, 0.16) by 0.48-0.60, intervals far from zero.
-  K-norm's kept cells answer nothing (0.00 at both budgets), KVzip 0.02 and 0.17. The 4K stage has
-  not run yet; no claim rests on these rows until both lengths reach 24 samples per task.
+  scored on their global layers), at 2K (72 samples): the full cache 0.74 [0.62, 0.83]; LAQ 0.71
+  and 0.75 at 128 and 256 cells, EchoKV 0.69 and 0.74, tied (EchoKV - LAQ -0.01 [-0.08, 0.06] and
+  -0.01 [-0.07, 0.03]); both keep what the full cache answers, and both are ahead of SnapKV (0.08,
+  0.21) and StreamingLLM (0.11, 0.18) by 0.53-0.62, intervals far from zero. K-norm's kept cells
+  answer nothing (0.00 at both budgets), KVzip 0.01 and 0.15. The 4K stage has not run yet.
 - **Small budgets** (issue 25): the tune split's finding is above (EchoKV's smoothing at 64 cells
   on Qwen); the test split's check at 64 cells and 1% of the prompt has not run yet.
 
