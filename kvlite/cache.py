@@ -73,8 +73,10 @@ class CachedKV:
         if heads.dtype != np.uint8:
             return heads
         n = heads.shape[1]
-        keys = native().to_float(ggml_type, heads.reshape(self.n_head_kv * n, -1), self.n_embd_kv // self.n_head_kv)
-        return cachetypes.unrotate(keys, self.rotations[0]).reshape(self.n_head_kv, n, -1)
+        head_dim = self.n_embd_kv // self.n_head_kv
+        return self._floats(heads.reshape(self.n_head_kv * n, -1), ggml_type, self.rotations[0], head_dim).reshape(
+            self.n_head_kv, n, head_dim
+        )
 
     def layer_blocks(self, il: int, cells: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """Layer il's keys heads-first as stored: (ggml type, [n_head_kv, n, head_dim] f32 or f16, or
@@ -91,21 +93,20 @@ class CachedKV:
     def k_rows(self, il: int) -> np.ndarray:
         """Layer il's K rows [n, n_head_kv * head_dim] (f32 or f16 as stored; other types as f32), in
         the order of `positions`."""
-        return self._k(il, self.order)
+        at = self._at(il)
+        return self._floats(self.file.k(at, self.order), self.file.layout.k_types[at][0], self.rotations[0])
 
     def v_rows(self, il: int) -> np.ndarray:
         at = self._at(il)
         return self._floats(self.file.v(at, self.order), self.file.layout.v_types[at][0], self.rotations[1])
 
-    def _k(self, il: int, order: np.ndarray) -> np.ndarray:
-        at = self._at(il)
-        return self._floats(self.file.k(at, order), self.file.layout.k_types[at][0], self.rotations[0])
-
-    def _floats(self, rows: np.ndarray, ggml_type: int, rotation: int) -> np.ndarray:
+    def _floats(self, rows: np.ndarray, ggml_type: int, rotation: int, n_per_row: int | None = None) -> np.ndarray:
+        """Rows as the model made them: f32/f16 as they are; other types widened by ggml, then
+        turned back from llama.cpp's rotation (in place, in the one f32 copy)."""
         if rows.dtype in (np.float32, np.float16):  # numpy reads them as they are
             return rows
         raw = np.ascontiguousarray(rows).view(np.uint8).reshape(len(rows), -1)  # bf16 bits or quantized blocks
-        return cachetypes.unrotate(native().to_float(ggml_type, raw, self.n_embd_kv), rotation)
+        return cachetypes.unrotate(native().to_float(ggml_type, raw, n_per_row or self.n_embd_kv), rotation)
 
     def close(self) -> None:
         self.file.close()
