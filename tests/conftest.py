@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+from kvlite.reference.tiny_gguf import FIXTURES, write_tiny_gguf
 
 
 def pytest_configure(config):
@@ -24,26 +24,9 @@ def pytest_configure(config):
         rpc_add_servers(os.environ["KVLITE_TEST_RPC"])
 
 
-# One tiny model per architecture kvlite supports (models.ARCHS), and Llama 3's RoPE frequency
-# factors: every test taking `tiny_path` runs on each.
-TINY_SPECS = {
-    "llama": TinySpec(arch="llama", n_layer=3, n_head=6, n_head_kv=2, head_dim=16, seed=1, chat_template=True),
-    "llama3": TinySpec(arch="llama", n_layer=2, n_head=4, n_head_kv=2, head_dim=16, seed=4, rope_freqs=True),
-    "qwen2": TinySpec(arch="qwen2", n_layer=2, n_head=4, n_head_kv=1, head_dim=32, rope_base=1e6, seed=2),
-    "qwen3": TinySpec(arch="qwen3", n_layer=2, n_head=4, n_head_kv=2, head_dim=32, rope_base=1e6, seed=5),
-    # layers 0 and 2 slide over the last 16 positions (base 1e4), 1 and 3 see everything (base 1e6)
-    "gemma3": TinySpec(
-        arch="gemma3",
-        n_layer=4,
-        n_head=4,
-        n_head_kv=1,
-        head_dim=16,
-        rope_base=1e6,
-        seed=6,
-        sliding_window=16,
-        swa_pattern=2,
-    ),
-}
+# One tiny model per architecture kvlite supports (kvlite.reference.tiny_gguf.FIXTURES): every test
+# taking `tiny_path` runs on each.
+TINY_SPECS = FIXTURES
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,8 @@ def test_offloaded_cache_gives_the_local_result(rpc_endpoint, tiny_paths, policy
 # Modules whose checks hold as well when the cache lives on the device: twin parity of the pooled
 # and counter-causal scores, resident positions against llama.cpp's exported state after
 # evictions and compaction, the kernels' torch twins. Run in a pytest of their own with
-# KVLITE_TEST_RPC set (conftest.py), so every model of that session is offloaded.
+# KVLITE_TEST_RPC set (conftest.py), so every model of that session is offloaded. A subset, for CI's
+# time, of tests/device_tests.txt, which the GPU checks (scripts/gpu_check.sh, vulkan_check.sh) run.
 ON_DEVICE = ["tests/test_native_pooling.py", "tests/test_counter_causal.py", "tests/test_cache_invariants.py",
              "tests/test_kvzip.py"]  # fmt: skip
 

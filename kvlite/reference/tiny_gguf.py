@@ -41,10 +41,36 @@ class TinySpec:
     sliding_window: int = 0  # gemma3: the window of its local layers
     swa_pattern: int = 2  # gemma3: every swa_pattern-th layer global (llama.cpp's set_swa_pattern)
     rope_base_swa: float = 10000.0  # gemma3: the local layers' RoPE base
+    # Real shapes for speed (scripts/bench_shapes.py): a vocabulary padded to n_vocab with unused
+    # control tokens (text never tokenizes to them) and "f16" matrices, as GPU users run them.
+    n_vocab: int = 0
+    weights: str = "f32"
 
     @property
     def n_embd(self) -> int:
         return self.n_head * self.head_dim
+
+
+# One tiny model per architecture kvlite supports (models.ARCHS), and Llama 3's RoPE frequency
+# factors: the tests' fixtures (tests/conftest.py) and scripts/backend_parity.py.
+FIXTURES = {
+    "llama": TinySpec(arch="llama", n_layer=3, n_head=6, n_head_kv=2, head_dim=16, seed=1, chat_template=True),
+    "llama3": TinySpec(arch="llama", n_layer=2, n_head=4, n_head_kv=2, head_dim=16, seed=4, rope_freqs=True),
+    "qwen2": TinySpec(arch="qwen2", n_layer=2, n_head=4, n_head_kv=1, head_dim=32, rope_base=1e6, seed=2),
+    "qwen3": TinySpec(arch="qwen3", n_layer=2, n_head=4, n_head_kv=2, head_dim=32, rope_base=1e6, seed=5),
+    # layers 0 and 2 slide over the last 16 positions (base 1e4), 1 and 3 see everything (base 1e6)
+    "gemma3": TinySpec(
+        arch="gemma3",
+        n_layer=4,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=16,
+        rope_base=1e6,
+        seed=6,
+        sliding_window=16,
+        swa_pattern=2,
+    ),
+}
 
 
 def vocabulary() -> tuple[list[str], list[int]]:
@@ -82,10 +108,19 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     path = pathlib.Path(path)
     rng = np.random.default_rng(spec.seed)
     tokens, types = vocabulary()
+    tokens += [f"<unused{i}>" for i in range(spec.n_vocab - len(tokens))]
+    types += [CONTROL] * (len(tokens) - len(types))
     n_vocab, E, D = len(tokens), spec.n_embd, spec.head_dim
+    if spec.weights not in ("f32", "f16"):
+        raise ValueError(f"weights must be f32 or f16, got {spec.weights!r}")
+
+    def normal(shape: tuple[int, int], scale: float) -> np.ndarray:
+        if spec.weights == "f16":  # drawn in f32: a 1B shape's 1.5e9 draws in float64 take twice as long
+            return (scale * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
 
     def mat(n_out: int, n_in: int) -> np.ndarray:
-        return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
+        return normal((n_out, n_in), 1 / np.sqrt(n_in))
 
     def norm_weight() -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
@@ -110,7 +145,7 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(spec.yarn[0])
         w.add_rope_scaling_orig_ctx_len(spec.yarn[1])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.weights == "f16" else gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * n_vocab)
@@ -125,7 +160,7 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     if spec.rope_freqs:
         w.add_tensor("rope_freqs.weight", llama3_freq_factors(D, spec.rope_base))
     # Small embeddings keep tied output heads (qwen2) from saturating every softmax.
-    w.add_tensor("token_embd.weight", (0.3 * rng.standard_normal((n_vocab, E))).astype(np.float32))
+    w.add_tensor("token_embd.weight", normal((n_vocab, E), 0.3))
     for i in range(spec.n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm_weight())
         # Larger query/key weights give peaked attention, so eviction visibly changes the outputs.
