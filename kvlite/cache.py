@@ -244,13 +244,11 @@ class KVCache:
         """Move the live cells to the front of the cell pool in position order, so the attended
         range (n_kv, the highest used cell rounded up) follows the resident count, not the history.
 
-        Exports the live sequence, clears the pool and loads it back. Cached values are copied
-        bit for bit, so only the speed changes."""
-        with self._live_file("compacting") as sf:  # the file, not state_get: see kvstate.StateFile
-            ordered = kvstate.build(sf.state(LIVE, by_position=True))
-            self.ctx.clear()
+        Exports the live sequence to a file, clears the pool and loads it back in position order, a
+        layer at a time. Cached values are copied bit for bit, so only the speed changes."""
+        with self._live_file("compacting") as sf:
             try:
-                self.ctx.state_set(ordered, LIVE)
+                self.ctx.reload(sf.state(LIVE, by_position=True), LIVE)
             except KvliteError:
                 self.ctx.clear()  # put back what was there: the cache stays consistent
                 self.ctx.state_set(kvstate.build(sf.state(LIVE)), LIVE)

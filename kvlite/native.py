@@ -26,7 +26,7 @@ from .limits import check_threads
 if TYPE_CHECKING:
     from .models import ModelInfo
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 _LIB_NAME = {"darwin": "libkvlite_native.dylib", "win32": "kvlite_native.dll"}.get(sys.platform, "libkvlite_native.so")
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -127,6 +127,7 @@ class Native:
         lib.kvl_device.restype, lib.kvl_device.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
         lib.kvl_free.argtypes = [ctypes.c_void_p]
         lib.kvl_set_threads.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.kvl_free_buffers.argtypes = [ctypes.c_void_p]
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
@@ -174,6 +175,11 @@ class Native:
             self._lib.kvl_set_threads(self._ctx, n_threads)
             self.n_threads = n_threads
 
+    def release(self) -> None:
+        """Free the kernels' compute buffer (sized to the largest graph run so far); the next kernel
+        allocates it again."""
+        self._lib.kvl_free_buffers(self._ctx)
+
     def attn_pool(
         self,
         q: np.ndarray,
@@ -192,9 +198,9 @@ class Native:
         k: [n_layer, n_head_kv, n_keys, head_dim] float32 or float16 (the cached keys to score), or
         uint8 [n_layer, n_head_kv, n_keys, row bytes] of ggml type k_type (a quantized cache's blocks);
         key_mask: bool [n_keys], False for keys outside the softmax (they score 0);
-        chunk: keys per chunk (0: one chunk while its logits stay under 16 MB, the fastest: 16K keys
-        ran ~2x faster in one chunk than in chunks of 4K; queries go in blocks that keep it so, and
-        their probabilities add up on the host, so memory stays ~16 MB); pool_kernel: odd max-pool width
+        chunk: keys per chunk (0: one chunk while its logits stay under 8 MB, the fastest; queries go
+        in blocks that keep it so, and their probabilities add up on the host, so the kernel's scratch
+        stays ~8 MB plus one layer's keys widened; docs/cache.md); pool_kernel: odd max-pool width
         smoothing the pooled scores along the keys (SnapKV), 0 for none.
         reduce: "sum" (each key's probability summed over the queries of its group) or "max" (its
         largest probability over those queries and query heads);
@@ -467,6 +473,12 @@ def _ggml_rpc() -> ctypes.CDLL:
     if not hasattr(lib, "ggml_backend_rpc_add_server"):
         raise KvliteError("this llama-cpp-python was built without RPC: reinstall it with CMAKE_ARGS=-DGGML_RPC=ON")
     return lib
+
+
+def release() -> None:
+    """Free the kernels' compute buffer, if the library is loaded (an eviction's end)."""
+    if _shared is not None:
+        _shared.release()
 
 
 def native() -> Native:

@@ -41,6 +41,13 @@ int kvl_to_float(int type, const void * src, int64_t row_bytes, float * dst, int
     return KVL_OK;
 }
 
+void kvl_free_buffers(struct kvl_ctx * c) {
+    if (!c || !c->sched) return;
+    ggml_backend_sched_free(c->sched);
+    c->sched = NULL;
+    c->sched_size = 0;
+}
+
 const char * kvl_device(const struct kvl_ctx * c) { return ggml_backend_name(c->backends[0]); }
 
 void kvl_free(struct kvl_ctx * c) {

@@ -14,7 +14,7 @@
 #include "ggml.h"
 
 // Bumped whenever a signature or a layout changes; Python refuses a library with another value.
-#define KVL_ABI_VERSION 13
+#define KVL_ABI_VERSION 14
 
 enum kvl_status {
     KVL_OK = 0,
@@ -59,6 +59,9 @@ struct kvl_ctx {
 void kvl_free(struct kvl_ctx * c);
 // The CPU backend's thread count (kvlite's -t), for every kernel run after this call.
 void kvl_set_threads(struct kvl_ctx * c, int n_threads);
+// Free the scheduler and its compute buffer (the next kernel makes them again): an eviction's
+// scratch memory is then not held beside the compaction that follows it.
+void kvl_free_buffers(struct kvl_ctx * c);
 
 // Mark the inputs and `out`, allocate gf's tensors, copy inputs in, compute, copy `out` back.
 // Returns a kvl_status.

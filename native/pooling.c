@@ -50,7 +50,7 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
 // under KVL_POOL_BYTES (softmax rows are independent, so blocks of queries add up, or max, on the
 // host). Beyond the inputs an eviction then holds ~KVL_POOL_BYTES, not queries x keys x heads
 // (EchoKV's 384 proposals over 8K keys were 113 MB a layer).
-#define KVL_POOL_BYTES (16u << 20)
+#define KVL_POOL_BYTES (8u << 20)
 
 // One layer, queries [b0, b0 + nb) of q_layer (f32 [n_head, n_q, head_dim]): out_block [n_head_kv, n_keys].
 static int kvl_pool_block(struct kvl_ctx * c, const float * q_layer, const void * k_layer, int k_type,

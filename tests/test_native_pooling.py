@@ -89,8 +89,8 @@ def test_attn_pool_max_and_causal_tail_match_torch(n_head, n_head_kv, n_q, n_key
 
 @pytest.mark.parametrize("reduce,causal,pool_kernel", [("sum", False, 7), ("max", True, 0), ("sum", True, 3)])
 def test_attn_pool_in_query_blocks_matches_torch(reduce, causal, pool_kernel):
-    """Queries whose probabilities would pass the kernel's 16 MB go in blocks (here 4096 keys x 8
-    heads: 128 queries a block, so 300 queries make blocks of 128, 128 and 44) added up, or maxed,
+    """Queries whose probabilities would pass the kernel's 8 MB go in blocks (here 4096 keys x 8
+    heads: 64 queries a block, so 300 queries make four blocks of 64 and one of 44) added up, or maxed,
     on the host; pooling follows. Tolerance: a sum of up to 300 x 4 f32 probabilities carries at
     most n * eps = 1200 * 6e-8 = 7e-5 relative error, so rtol 1e-4 (atol 1e-6 for the near-zero)."""
     q, k = _inputs(2, 8, 2, 300, 4096, 16, np.float16, 5)

@@ -3,6 +3,7 @@ sequence (memory) operations and the per-sequence state export/import."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pathlib
@@ -23,6 +24,17 @@ LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspa
 
 
 _NOTED: set[tuple[str, int]] = set()
+
+
+@contextlib.contextmanager
+def _temp_path():
+    """A new file's path in TMPDIR, removed on leaving (an open file keeps its data until closed)."""
+    fd, path = tempfile.mkstemp(prefix="kvlite-state-", suffix=".bin")
+    os.close(fd)
+    try:
+        yield path
+    finally:
+        os.unlink(path)
 
 
 def _check_room(model: Model, n_ctx: int, layer_cell_bytes: int, swa_full: bool, type_k: str, type_v: str) -> None:
@@ -191,15 +203,27 @@ class Context:
         """The sequence's state exported to a temporary file (TMPDIR) and opened to be read a layer at a
         time: what reading the cache costs in memory is one layer, not the whole export. The file is
         unlinked at once; its space returns when the StateFile closes."""
-        fd, path = tempfile.mkstemp(prefix="kvlite-state-", suffix=".bin")
-        os.close(fd)
-        try:
+        with _temp_path() as path:
             if not L.llama_state_seq_save_file(self.ptr, path.encode(), seq_id, None, 0):
                 detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
                 raise KvliteError(f"llama.cpp could not export sequence {seq_id} to {path} (disk full?): {detail}")
             return kvstate.StateFile(path)
-        finally:
-            os.unlink(path)
+
+    def reload(self, state: kvstate.SeqState, seq_id: int) -> None:
+        """Clear the cell pool and load `state` into the sequence, through a temporary file that both
+        sides stream a layer at a time (state_set takes the whole blob in memory). The file is
+        written first, so a full disk fails before the pool changes."""
+        with _temp_path() as path:
+            try:
+                kvstate.write(state, path)
+            except OSError as e:
+                raise KvliteError(f"could not write a KV state to {path} (disk full?): {e.strerror}") from None
+            self.clear()
+            n_tokens = ctypes.c_size_t(0)
+            if not L.llama_state_seq_load_file(self.ptr, path.encode(), seq_id, (L.llama_token * 1)(), 1,
+                                               ctypes.byref(n_tokens)):  # fmt: skip
+                detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
+                raise KvliteError(f"llama.cpp could not load a KV state into sequence {seq_id}: {detail}")
 
     def state_set(self, blob: bytes | bytearray, seq_id: int) -> None:
         if isinstance(blob, bytearray):  # read in place

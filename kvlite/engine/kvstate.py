@@ -250,16 +250,21 @@ class StateFile:
         return self._read(self.layout.v_at[il], self.layout.v_types[il], order, self.layout.v_trans)
 
     def state(self, seq_id: int, by_position: bool = False) -> SeqState:
-        """Every section in memory (each one's cells in position order if by_position), e.g. to load
-        it back with `build`."""
+        """Every section (each one's cells in position order if by_position), e.g. to load it back
+        with `build` or `write`. Its layers are read from the file when used, one at a time, so
+        only while the file is open."""
         sections = []
         for lay in self.sections:
             if lay is None:
                 sections.append([None])
                 continue
-            idx = np.argsort(lay.pos, kind="stable") if by_position else np.arange(len(lay.pos))
-            k = [self._read(at, t, idx, n=len(lay.pos)) for at, t in zip(lay.k_at, lay.k_types)]
-            v = [self._read(at, t, idx, lay.v_trans, len(lay.pos)) for at, t in zip(lay.v_at, lay.v_types)]
+            n = len(lay.pos)
+            idx = np.argsort(lay.pos, kind="stable") if by_position else np.arange(n)
+            k = _Layers(
+                lambda j, lay=lay, idx=idx: self._read(lay.k_at[j], lay.k_types[j], idx, n=len(idx)), n=len(lay.k_at)
+            )
+            v = _Layers(lambda j, lay=lay, idx=idx: self._read(lay.v_at[j], lay.v_types[j], idx, lay.v_trans, len(idx)),
+                        n=len(lay.v_at))  # fmt: skip
             sections.append([Stream(pos=lay.pos[idx], seq_ids=[lay.seq_ids[i] for i in idx], v_trans=lay.v_trans,
                                     k_types=lay.k_types, v_types=lay.v_types, k=k, v=v)])  # fmt: skip
         return SeqState(seq_id, sections[0], sections[1:])
@@ -283,30 +288,56 @@ class StateFile:
         self.close()
 
 
+class _Layers:
+    """A stream's per-layer rows, read when asked for (StateFile.state): a list's interface."""
+
+    def __init__(self, read, n: int):
+        self.read, self.n = read, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        if not 0 <= j < self.n:
+            raise IndexError(j)
+        return self.read(j)
+
+    def __iter__(self):
+        return (self.read(j) for j in range(self.n))
+
+
 def build(state: SeqState) -> bytes:
     """The inverse of parse."""
-    parts = [struct.pack("<Ii", MAGIC, state.seq_id)]
+    return b"".join([struct.pack("<Ii", MAGIC, state.seq_id), *_sections(state)])
+
+
+def write(state: SeqState, path: str | os.PathLike) -> None:
+    """The state as `llama_state_seq_save_file` writes it (with no tokens), for
+    `llama_state_seq_load_file`: written and loaded a layer at a time, where `build` and
+    `llama_state_seq_set_data` hold the whole blob (several copies of it, in Python)."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<III", FILE_MAGIC, FILE_VERSION, 0))
+        for part in _sections(state):
+            f.write(part)
+
+
+def _sections(state: SeqState):
     for streams in state.sections:
-        parts.append(struct.pack("<I", len(streams)))
-        parts += _build_streams(streams)
-    return b"".join(parts)
+        yield struct.pack("<I", len(streams))
+        yield from _build_streams(streams)
 
 
-def _build_streams(streams: list[Stream | None]) -> list[bytes]:
-    parts = []
+def _build_streams(streams: list[Stream | None]):
     for st in streams:
         if st is None or st.cell_count == 0:
-            parts.append(struct.pack("<I", 0))
+            yield struct.pack("<I", 0)
             continue
-        parts.append(struct.pack("<I", st.cell_count))
-        for p, ids in zip(st.pos, st.seq_ids):
-            parts.append(struct.pack(f"<iI{len(ids)}i", int(p), len(ids), *ids))
-        parts.append(struct.pack("<II", st.v_trans, len(st.k)))
+        yield struct.pack("<I", st.cell_count)
+        yield b"".join(struct.pack(f"<iI{len(ids)}i", int(p), len(ids), *ids) for p, ids in zip(st.pos, st.seq_ids))
+        yield struct.pack("<II", st.v_trans, len(st.k))
         for (k_type, row), k in zip(st.k_types, st.k):
-            parts.append(struct.pack("<iQ", k_type, row) + np.ascontiguousarray(k).tobytes())
+            yield struct.pack("<iQ", k_type, row)
+            yield np.ascontiguousarray(k).tobytes()
         for vt, v in zip(st.v_types, st.v):
-            if not st.v_trans:
-                parts.append(struct.pack("<iQ", *vt) + np.ascontiguousarray(v).tobytes())
-            else:
-                parts.append(struct.pack("<iII", *vt) + np.ascontiguousarray(v.T).tobytes())
-    return parts
+            yield struct.pack("<iII" if st.v_trans else "<iQ", *vt)
+            yield np.ascontiguousarray(v.T if st.v_trans else v).tobytes()

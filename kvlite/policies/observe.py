@@ -16,7 +16,7 @@ import numpy as np
 
 from ..engine import Capture, Context, cachetypes
 from ..errors import KvliteError
-from ..native import native
+from ..native import native, release
 from ..scoring.aggregate import aggregate
 from ..scoring.proposals import proposals
 
@@ -62,9 +62,11 @@ class Observation:
         return keys
 
     def close(self) -> None:
-        """Let go of what the observation read (the keys' state file)."""
+        """Let go of what the observation read (the keys' state file) and the kernels' scratch, which
+        would otherwise be held beside the compaction and the decode that follow."""
         if "keys" in self.__dict__:
             self.__dict__.pop("keys").close()
+        release()
 
     def last_queries(self, n: int, kind: str = "q") -> np.ndarray:
         """Post-RoPE ("q") or pre-RoPE ("q_pre") queries of the last n tokens fed: [L, H, n, D], L
