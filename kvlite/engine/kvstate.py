@@ -258,16 +258,15 @@ class StateFile:
             if lay is None:
                 sections.append([None])
                 continue
-            n = len(lay.pos)
-            idx = np.argsort(lay.pos, kind="stable") if by_position else np.arange(n)
-            k = _Layers(
-                lambda j, lay=lay, idx=idx: self._read(lay.k_at[j], lay.k_types[j], idx, n=len(idx)), n=len(lay.k_at)
-            )
-            v = _Layers(lambda j, lay=lay, idx=idx: self._read(lay.v_at[j], lay.v_types[j], idx, lay.v_trans, len(idx)),
-                        n=len(lay.v_at))  # fmt: skip
+            idx = np.argsort(lay.pos, kind="stable") if by_position else np.arange(len(lay.pos))
+            k, v = self._layers(lay.k_at, lay.k_types, idx), self._layers(lay.v_at, lay.v_types, idx, lay.v_trans)
             sections.append([Stream(pos=lay.pos[idx], seq_ids=[lay.seq_ids[i] for i in idx], v_trans=lay.v_trans,
                                     k_types=lay.k_types, v_types=lay.v_types, k=k, v=v)])  # fmt: skip
         return SeqState(seq_id, sections[0], sections[1:])
+
+    def _layers(self, offsets: list[int], types: list[tuple], idx: np.ndarray, v_trans: int = 0) -> _Layers:
+        """One stream's K (or V) layers, each read from the file when asked for, its cells in idx order."""
+        return _Layers(lambda j: self._read(offsets[j], types[j], idx, v_trans, len(idx)), len(offsets))
 
     def _read(self, offset: int, desc: tuple, order: np.ndarray | None, v_trans: int = 0, n: int | None = None):
         n = len(self.pos) if n is None else n
