@@ -18,22 +18,13 @@ from .cache import Snapshot
 from .engine import Model
 from .engine.model import drop_prefix
 from .errors import KvliteError
+from .evict import asks_something, chat_ctx, evict_mode, make_room
 from .limits import check_int
 from .models import resolve_model
 from .policies import FullKV, Policy
 from .progress import progress_bar
-from .runner import Generation, Runner, RunSettings, plan_context
-
-CHAT_CTX = 4096  # a conversation's length is unknown: the context of one not evicted continuously
-EVICT_MODES = ("eager", "lazy")
-# kvlite chat's (and serve's) mode where none is asked for, chosen on the tune split by
-# scripts/pick_chat_default.py (results-runs/chat-tune-smol-1024/pick.json: lazy - eager
-# +0.24 [0.16, 0.31] over every chat policy and budget; docs/policies.md).
-DEFAULT_EVICT = "lazy"
-# A message asks something when it has a question mark near its end or opens with one of these
-# (a pasted document with a "?" in its middle does not). Used by the hybrid policy.
-_ASKING = ("what", "who", "whom", "whose", "when", "where", "which", "why", "how", "is", "are", "does", "do", "did",
-           "can", "could", "tell", "give", "list", "name", "summarize", "explain", "describe", "repeat")  # fmt: skip
+from .runner import Generation, Runner
+from .settings import RunSettings, plan_context
 
 
 def check_text(text: str, what: str) -> None:
@@ -43,12 +34,6 @@ def check_text(text: str, what: str) -> None:
         raise KvliteError(f"{what} is empty")
     if "\x00" in text:
         raise KvliteError(f"{what} contains a NUL character: remove it")
-
-
-def asks_something(message: str) -> bool:
-    text = message.strip()
-    words = text.split(maxsplit=1)
-    return "?" in text[-300:] or (bool(words) and words[0].lower().strip(",:") in _ASKING)
 
 
 class Session:
@@ -123,7 +108,7 @@ class Session:
         if self.model.chat_template is None:
             raise KvliteError(f"{self.model.path.name} has no chat template: use `kvlite generate`")
         evict = evict_mode(evict, self.policy)
-        n_ctx = self.settings.n_ctx or (0 if self.policy.continuous else CHAT_CTX)
+        n_ctx = chat_ctx(self.settings.n_ctx, self.policy)
         return Conversation(self._runner(n_ctx, 0, 0), system=system, evict=evict)
 
     def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
@@ -137,25 +122,6 @@ class Session:
         """Forget the conversation."""
         if self._conversation is not None:
             self._conversation.reset()
-
-
-def check_evict(evict: str | None) -> None:
-    """A chat eviction mode kvlite knows (None: the default)."""
-    if evict is not None and evict not in EVICT_MODES:
-        raise KvliteError(f"--evict must be one of {', '.join(EVICT_MODES)}, got '{evict}'")
-
-
-def evict_mode(evict: str | None, policy: Policy) -> str:
-    """The chat eviction mode a conversation runs: the one asked for, or else DEFAULT_EVICT where
-    it applies (a prefill-end policy with a budget) and eager where it does not (the full cache
-    never evicts; chunked mode evicts as it reads)."""
-    lazy_applies = policy.budget is not None and not policy.continuous
-    check_evict(evict)
-    if evict is None:
-        return DEFAULT_EVICT if lazy_applies else "eager"
-    if evict == "lazy" and not lazy_applies:
-        raise KvliteError("--evict lazy needs a prefill-end policy with a --budget (chunked mode evicts as it reads)")
-    return evict
 
 
 class Conversation:
@@ -184,6 +150,18 @@ class Conversation:
         self.runner.restore(snapshot)
         self.primed = snapshot.tokens
 
+    def resume(self, snapshot: Snapshot, messages: list[dict], rendered: str, evicted: int) -> None:
+        """Continue a conversation saved elsewhere (a server's slot file): its cache, its messages,
+        the text of them the cache holds, and how many positions it had evicted."""
+        self.reset()
+        self.runner.restore(snapshot, evicted)
+        self.messages, self.rendered = messages, rendered
+
+    def amend_reply(self, text: str) -> None:
+        """The last reply as the client keeps it (a server cut it at a stop sequence). The cache
+        keeps what was generated; the next turn's rendering decides whether it is read again."""
+        self.messages[-1]["content"] = text
+
     def turn(
         self, user: str | Sequence[dict], n_predict: int, on_text, interrupted, progress: bool = True
     ) -> tuple[str, str]:
@@ -201,7 +179,7 @@ class Conversation:
                 raise KvliteError("the first turn does not begin with the tokens the conversation started from")
             tokens, self.primed = tokens[len(self.primed) :], ()
         question = asks_something(messages[-1]["content"])
-        evict = self._make_room(len(tokens), n_predict)
+        evict = make_room(runner, self.evict, self.cap, len(tokens), n_predict)
         start, evicted = cache.n_pos, cache.evicted
         with progress_bar(len(tokens) if progress else 0, "prefill", min_total=2 * runner.chunk) as bar:
             try:
@@ -240,33 +218,6 @@ class Conversation:
         reread = not full.startswith(self.rendered)
         held = "" if reread else self.rendered
         return messages, full, model.tokenize_pieces(drop_prefix(pieces, len(held)), add_special=not held), reread
-
-    def _make_room(self, n_new: int, n_predict: int) -> bool:
-        """Whether this turn evicts once it is read. Eager: always (the policy's budget decides).
-        Lazy: only when the turn and its reply would not fit under the cap; if the turn does not
-        even fit beside what is resident, evict first with what the last turn observed."""
-        runner, cache = self.runner, self.runner.cache
-        extra = runner.policy.lookahead_cells()
-        if self.evict == "eager":
-            # A policy that evicts only once the turn is read needs room for all of it: said now,
-            # not after prefilling up to the cap.
-            if not runner.policy.continuous and cache.n_resident + n_new + extra > self.cap:
-                raise KvliteError(f"a message of {n_new} tokens does not fit in the context beside the "
-                                  f"{cache.n_resident} cells it holds (cap {self.cap}): raise -c or evict in "
-                                  "--mode chunked")  # fmt: skip
-            return True
-        budget = runner.policy.budget
-        if budget + n_predict + extra > self.cap:
-            raise KvliteError(f"--budget {budget} with -n {n_predict} does not fit under the cache cap {self.cap}")
-        if cache.n_resident + n_new + n_predict + extra <= self.cap:
-            return False
-        # refused from the token count, before an eviction or a prefill it could not finish
-        if min(cache.n_resident, budget) + n_new + extra > self.cap:
-            raise KvliteError(f"a message of {n_new} tokens does not fit under the cache cap {self.cap} beside the "
-                              f"budget {budget}: raise -c")  # fmt: skip
-        if cache.n_resident + n_new + extra > self.cap:
-            runner.evict()
-        return True
 
     def _describe(self, n_evicted: int) -> str:
         ev = self.runner.last_eviction

@@ -8,8 +8,9 @@ pos_max + 1, so the token buffer is indexed by position.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -317,8 +318,9 @@ class KVCache:
         hidden = None if self.hidden is None else self.hidden.copy()
         return Snapshot(self.ctx.state_get(LIVE), tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer)
 
-    def restore(self, snap: Snapshot) -> None:
-        """Replace the whole cache with a snapshot's live sequence."""
+    def restore(self, snap: Snapshot, evicted: int = 0) -> None:
+        """Replace the whole cache with a snapshot's live sequence. evicted: how many positions the
+        sequence had evicted before it was saved (a server's slot file), else none."""
         if self.hidden_layer is not None and snap.hidden_layer != self.hidden_layer:
             raise KvliteError(f"this cache keeps hidden states of layer {self.hidden_layer}; the snapshot does not")
         self.reset()
@@ -327,7 +329,20 @@ class KVCache:
         self._live = snap.live.copy()
         self._ws_prompt = np.zeros_like(self._live)
         self.hidden = None if self.hidden_layer is None else snap.hidden.copy()
+        self.evicted = evicted
         self._note_cells()
+
+    @contextlib.contextmanager
+    def peak_within(self) -> Iterator[list[int]]:
+        """The most cells resident during a span (a server's request), in the list it yields once
+        the span ends; max_cells is the cache's peak over its whole life again afterwards."""
+        before, self.max_cells = self.max_cells, self.n_resident
+        peak = [self.max_cells]
+        try:
+            yield peak
+        finally:
+            peak[0] = self.max_cells
+            self.max_cells = max(before, peak[0])
 
     def reset(self) -> None:
         self.ctx.clear()

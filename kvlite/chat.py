@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from .api import Session
 from .errors import KvliteError
 from .policies import Policy
-from .runner import RunSettings
+from .settings import RunSettings
 
 HELP = "/reset clears the conversation, /stats shows the cache, /cache the text it kept, /quit leaves (or Ctrl-D)"
 

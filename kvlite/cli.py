@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import pathlib
 import sys
 
 from . import __version__
 from .errors import KvliteError
+from .evict import CHAT_CTX, MODES
+from .limits import DEFAULT_CHUNK
+from .process import CLOSED, EXIT_INTERRUPTED, drop_stdout, guard_streams, needs_stdout, return_freed_memory, unraisable
 
-EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-CLOSED: set[str] = set()  # the standard streams kvlite was started without (_guard_streams)
+EXIT_ERROR, EXIT_USAGE = 1, 2
+EVICT_HELP = (
+    f"chat eviction: lazy (the default with --budget) keeps whole turns until the next would pass the "
+    f"cache cap (-c, default {CHAT_CTX}), then evicts with that turn's queries; eager evicts to --budget "
+    "after every turn is read"
+)
 
 
 class Parser(argparse.ArgumentParser):
@@ -65,8 +70,8 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         "--ctx-size",
         type=int,
         default=0,
-        help="context cells (at least 256); 0 = as needed: prompt + n_predict (chat: 4096), or budget + chunk for "
-        "chunked mode",
+        help=f"context cells (at least 256); 0 = as needed: prompt + n_predict (chat: {CHAT_CTX}), or budget + "
+        "chunk for chunked mode",
     )
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
@@ -74,7 +79,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     _add_policy_args(p)
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk; in chunked mode also the refresh interval h")
+    p.add_argument(
+        "--chunk", type=int, default=DEFAULT_CHUNK, help="prefill chunk; in chunked mode also the refresh interval h"
+    )
     _add_cache_type_args(p)
 
 
@@ -110,10 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(p)
     p.set_defaults(n_predict=256)
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--evict", default=None, choices=["eager", "lazy"],
-                   help="lazy (default with --budget): keep whole turns until the next would pass the cache cap "
-                   "(-c, default 4096), then evict with that turn's queries; eager: evict to --budget after every "
-                   "turn is read")  # fmt: skip
+    p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
     _add_run_args(p)
@@ -123,8 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=4, help="conversations whose compressed cache is kept (LRU)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait; more get a 503 with Retry-After")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
-    p.add_argument("--evict", default=None, choices=["eager", "lazy"],
-                   help="chat eviction mode (as kvlite chat: lazy with a --budget by default)")  # fmt: skip
+    p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
     p.add_argument("-a", "--alias", default=None, help="the model's id in /v1/models and responses")
     p.add_argument("--max-tokens", type=int, default=4096, help="the most max_tokens a request may ask for")
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
@@ -137,20 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy_from_args(args):
-    from .policies import ALL_PARAMS, make_policy
+    from .policies import ALL_PARAMS, check_budget, make_policy
 
     if args.cache is not None:
         if args.budget is not None and args.budget != args.cache:
             raise KvliteError("give the cache size with --cache or --budget, not both")
         args.budget, args.mode = args.cache, "chunked"
-    if args.policy != "full" and args.budget is None:
-        raise KvliteError(f"--policy {args.policy} needs --budget N (KV cells to keep)")
+    check_budget(args.policy, args.budget)
     return make_policy(args.policy, **{name: getattr(args, name) for name in ALL_PARAMS})
 
 
 def _settings_from_args(args):
     from .engine import SamplingParams
-    from .runner import RunSettings
+    from .settings import RunSettings
 
     sampling = SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return RunSettings(n_ctx=args.ctx_size, chunk=args.chunk, sampling=sampling, n_threads=args.threads,
@@ -159,7 +161,7 @@ def _settings_from_args(args):
 
 def _note_ctx(n_ctx: int) -> None:
     """llama.cpp pads a context to a multiple of 256 cells: say so rather than run silently larger."""
-    from .runner import MIN_CTX
+    from .settings import MIN_CTX
 
     if n_ctx > MIN_CTX and n_ctx % MIN_CTX:
         padded = -(-n_ctx // MIN_CTX) * MIN_CTX
@@ -323,8 +325,8 @@ def cmd_serve(args) -> int:
         raise KvliteError(f"kvlite serve needs the serve extra ({e.name} is missing): pip install 'kvlite[serve]' "
                           "or bash scripts/setup.sh --serve") from None  # fmt: skip
     from .engine.model import offloaded_layers
-    from .http_app import serve
     from .serve import ServeConfig
+    from .serve.app import serve
 
     policy, settings = _policy_from_args(args), _settings_from_args(args)  # checked before the port is taken
     _note_ctx(settings.n_ctx)
@@ -341,66 +343,20 @@ def cmd_serve(args) -> int:
     return serve(cfg)
 
 
-def _return_freed_memory() -> None:
-    """glibc serves a large block from the heap once a block that size was freed (its mmap
-    threshold grows), and a freed heap block stays in RSS: an eviction's per-layer buffers then
-    lift the peak for good (kvzip at 4K: 532 MB -> 500, and 290 -> 202 after it). A fixed
-    threshold maps every block of 128 KiB or more on its own and unmaps it when freed. Set by the
-    command line only: the Python API leaves the host process's allocator alone."""
-    import ctypes
-    import ctypes.util
-
-    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD; setting it also fixes it
-
-
 def main(argv: list[str] | None = None) -> int:
     """The console script. Everything heavy (numpy, llama.cpp) is imported in here, so a Ctrl-C
     at any moment, imports included, ends with one line and exit status 130."""
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
-    sys.unraisablehook = _unraisable
-    _guard_streams()
+    sys.unraisablehook = unraisable
+    guard_streams()
     try:
-        _return_freed_memory()
+        return_freed_memory()
         return _main(argv)
     except KeyboardInterrupt:
         print("\nkvlite: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def _guard_streams() -> None:
-    """Started with stdin, stdout or stderr closed (`>&-`), Python has None for it, and the next
-    file kvlite or llama.cpp opens would take its descriptor: a model file or a state export would
-    then receive what is printed. Each closed one is opened on /dev/null instead (the lowest free
-    descriptor is its own), and named in CLOSED so that a command needing it can say so."""
-    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
-        try:
-            os.fstat(fd)
-        except OSError:
-            os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
-            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115
-            CLOSED.add(name)
-
-
-def needs_stdout(what: str) -> None:
-    if "stdout" in CLOSED:
-        raise KvliteError(f"stdout is closed: {what} would be lost; give kvlite an output (a file, a pipe)")
-
-
-def _unraisable(info) -> None:
-    """A Ctrl-C that lands in a callback Python cannot raise from (a weakref callback of the import
-    system's module locks, a __del__) would be printed as an ignored traceback and lost, and the
-    run would go on: it ends the run with the same line instead. There is nothing left to unwind
-    to (the frame that could catch it is gone), so the process exits here."""
-    if issubclass(info.exc_type, KeyboardInterrupt):
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-        os.write(2, b"\nkvlite: interrupted\n")
-        os._exit(EXIT_INTERRUPTED)
-    sys.__unraisablehook__(info)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -417,22 +373,16 @@ def _main(argv: list[str] | None) -> int:
         print(f"kvlite: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
-        _drop_stdout()
+        drop_stdout()
         return 0
     except OSError as e:  # stdout on a full disk, and any file error not already worded by kvlite
-        _drop_stdout()
+        drop_stdout()
         where = f" ({e.filename})" if e.filename else ""
         print(f"kvlite: error: {e.strerror or e}{where}", file=sys.stderr)
         return EXIT_ERROR
     except MemoryError:
         print("kvlite: error: out of memory: lower -c, --budget or the prompt length", file=sys.stderr)
         return EXIT_ERROR
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again."""
-    with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

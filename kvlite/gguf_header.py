@@ -1,7 +1,8 @@
 """A fast reader of a GGUF file's header: metadata and tensor infos, without the tensor data.
 
-gguf.GGUFReader materialises every array element as a numpy view (5 s for SmolLM2's 49K-token
-vocabulary and merges); here arrays of strings are skipped over and only their length kept.
+gguf.GGUFReader materialises every array element as a numpy view (slow on a large vocabulary and
+its merges: docs/design.md, "Measured facts the code relies on"); here arrays of strings are
+skipped over and only their length kept.
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (version 2 and 3).
 """
 

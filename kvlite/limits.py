@@ -10,6 +10,9 @@ from .errors import KvliteError
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
 MAX_THREADS = 512  # GGML_MAX_N_THREADS: ggml's thread pool has no room for more
+# The prefill chunk (llama.cpp's batch: --chunk, RunSettings.chunk, an eval cell's `h`), which is also
+# chunked mode's refresh interval: one default for every surface
+DEFAULT_CHUNK = 512
 
 
 def check_int(name: str, value: object, lo: int = 0, hi: int = INT32_MAX) -> int:
@@ -22,6 +25,14 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = INT32_MAX) -> int
     if not lo <= value <= hi:
         raise KvliteError(f"{name} must be in {lo}..{hi}, got {value}")
     return value
+
+
+def check_pool_kernel(name: str, value: int) -> None:
+    """A max-pool width (--pool-kernel, attn_pool's pool_kernel): odd, so that the window is centred
+    on its cell, or 0 / 1 for none. The policy parameters' `odd` declaration and the native kernel's
+    guard both ask here."""
+    if value < 0 or (value > 1 and value % 2 == 0):
+        raise KvliteError(f"{name} must be odd (or 0), got {value}")
 
 
 def check_threads(name: str, value: object) -> int:

@@ -21,12 +21,12 @@ import numpy as np
 
 from .errors import KvliteError
 from .gguf_header import row_bytes
-from .limits import check_threads
+from .limits import check_pool_kernel, check_threads
 
 if TYPE_CHECKING:
     from .models import ModelInfo
 
-ABI_VERSION = 14
+ABI_VERSION = 15
 _LIB_NAME = {"darwin": "libkvlite_native.dylib", "win32": "kvlite_native.dll"}.get(sys.platform, "libkvlite_native.so")
 _REBUILD = "reinstall kvlite (pip install .) to rebuild it"
 
@@ -130,7 +130,7 @@ class Native:
         lib.kvl_free_buffers.argtypes = [ctypes.c_void_p]
         lib.kvl_attn_pool.restype = ctypes.c_int
         lib.kvl_attn_pool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+        lib.kvl_attn_pool.argtypes += [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
         lib.kvl_to_float.restype = ctypes.c_int
         lib.kvl_to_float.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
         lib.kvl_to_float.argtypes += [ctypes.c_int64] * 2
@@ -201,7 +201,7 @@ class Native:
         chunk: keys per chunk (0: one chunk while its logits stay under 8 MB, the fastest; queries go
         in blocks that keep it so, and their probabilities add up on the host, so the kernel's scratch
         stays ~8 MB plus one layer's keys widened; docs/cache.md); pool_kernel: odd max-pool width
-        smoothing the pooled scores along the keys (SnapKV), 0 for none.
+        smoothing the pooled scores along the keys (SnapKV; max_smooth, on the host), 0 for none.
         reduce: "sum" (each key's probability summed over the queries of its group) or "max" (its
         largest probability over those queries and query heads);
         causal_tail: the last causal_tail keys are the queries' own keys, in order (n_q of them):
@@ -227,8 +227,7 @@ class Native:
         n_head_kv, n_keys = k.shape[1], k.shape[2]
         if n_q == 0 or n_keys == 0:
             raise KvliteError(f"attn_pool: no queries or no keys (q{q.shape} k{k.shape})")
-        if pool_kernel < 0 or (pool_kernel > 1 and pool_kernel % 2 == 0):
-            raise KvliteError(f"attn_pool: the pooling kernel must be odd, got {pool_kernel}")
+        check_pool_kernel("attn_pool: pool_kernel", pool_kernel)
         if chunk < 0:
             raise KvliteError(f"attn_pool: chunk must be >= 0, got {chunk}")
         if reduce not in ("sum", "max"):
@@ -249,11 +248,11 @@ class Native:
         scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
         rc = self._lib.kvl_attn_pool(
             self._ctx, _ptr(q), _ptr(k), k_type, _ptr(mask), n_layer, n_head, n_head_kv, n_q, n_keys, head_dim,
-            scale, chunk, pool_kernel, int(reduce == "max"), causal_tail, _ptr(out),
+            scale, chunk, int(reduce == "max"), causal_tail, _ptr(out),
         )  # fmt: skip
         if rc != 0:
             raise KvliteError(f"native attn_pool failed (status {rc}) for q{q.shape} k{k.shape}")
-        return out
+        return max_smooth(out, pool_kernel)
 
     def to_float(self, ggml_type: int, rows: np.ndarray, n_per_row: int) -> np.ndarray:
         """Rows of a ggml type as llama.cpp stores them (uint8 [n, row bytes]) widened to float32
@@ -378,6 +377,19 @@ class Native:
 
 
 _shared: Native | None = None
+
+
+def max_smooth(scores: np.ndarray, kernel: int) -> np.ndarray:
+    """SnapKV's smoothing along the last axis: each entry takes the largest value within kernel // 2
+    entries of it, the window stopping at the ends (max_pool1d with stride 1 and padding kernel // 2;
+    exact, as a max is). kernel: odd, or 0 / 1 for none (scores returned as given; limits.check_pool_kernel
+    holds callers to it). The one max-pool: attn_pool's pool_kernel and KVzip's smoothing of its pair
+    scores (policies/kvzip.py) both apply it."""
+    if kernel <= 1:
+        return scores
+    half = kernel // 2
+    padded = np.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(half, half)], constant_values=-np.inf)
+    return np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1).max(axis=-1)
 
 
 def default_threads() -> int:

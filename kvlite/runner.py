@@ -10,41 +10,13 @@ import numpy as np
 
 from .cache import KVCache, Snapshot
 from .engine import Capture, Context, Model, Sampler, SamplingParams
-from .engine.cachetypes import check_types
 from .errors import KvliteError
-from .limits import check_int, check_threads
 from .policies import FullKV, Policy
 from .policies.observe import Observation
 from .selection import protected_positions, select_keep
+from .settings import RunSettings, plan_context  # noqa: F401 - plan_context: kvlite.runner's API
 
-DEFAULT_CHUNK = 512
-MIN_CTX = 256  # llama.cpp pads a context to a multiple of 256 cells
 SPLIT_OBSERVED = 64  # a chunk's observed tail gets its own batch when this many tokens precede it
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSettings:
-    """How a model is run, whatever the policy: the one object the CLI, the Python API, chat and
-    evaluation pass around. n_ctx: context cells, 0 = as needed (plan_context); chunk: the prefill
-    batch, and chunked mode's refresh interval h; flash_attn, type_k, type_v: -fa, -ctk, -ctv
-    (kvlite.engine.cachetypes)."""
-
-    n_ctx: int = 0
-    chunk: int = DEFAULT_CHUNK
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    n_threads: int | None = None
-    flash_attn: str = "auto"
-    type_k: str = "f16"
-    type_v: str = "f16"
-
-    def __post_init__(self):
-        if isinstance(self.n_ctx, int) and self.n_ctx < 0:
-            raise KvliteError(f"-c must be >= 0 (0: as needed), got {self.n_ctx}")
-        check_int("-c", self.n_ctx)
-        check_int("--chunk", self.chunk, 1)
-        if self.n_threads is not None:
-            check_threads("-t", self.n_threads)
-        object.__setattr__(self, "flash_attn", check_types(self.type_k, self.type_v, self.flash_attn))
 
 
 @dataclasses.dataclass
@@ -62,39 +34,6 @@ class Eviction:
     method: str = ""  # how the scores were made: the policy's name, or what a policy with several ways chose
 
 
-def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chunk: int) -> tuple[int, int]:
-    """(context cells, prefill chunk) for a policy.
-
-    n_ctx 0 means "as needed": the whole text for policies that keep everything until the prompt
-    ends, budget + chunk for a continuously evicting one (any prompt length then fits)."""
-    if chunk <= 0:
-        raise KvliteError(f"--chunk must be positive, got {chunk}")
-    if 0 < n_ctx < MIN_CTX:
-        raise KvliteError(f"-c {n_ctx}: llama.cpp allocates at least {MIN_CTX} cells; use -c 0 (as needed) or "
-                          f"-c {MIN_CTX} or more, and --budget to keep fewer")  # fmt: skip
-    if policy.budget is not None and n_ctx and policy.budget >= n_ctx:
-        raise KvliteError(f"--budget {policy.budget} does not fit in the context (-c {n_ctx}): lower it or raise -c")
-    extra = policy.lookahead_cells()
-    if policy.continuous and policy.budget is not None:
-        if not policy.refresh_every_token and chunk > policy.budget:
-            raise KvliteError(f"--chunk {chunk} is larger than the cache (--budget/--cache {policy.budget}): lower it")
-        if not n_ctx:
-            return policy.budget + chunk + extra, chunk
-        if n_ctx - policy.budget - extra <= 0:
-            raise KvliteError(f"-c {n_ctx} leaves no room for a chunk beside the cache and the lookahead: raise -c")
-        return n_ctx, min(chunk, n_ctx - policy.budget - extra)
-    need = n_tokens + max(n_predict, 0) + extra
-    if not n_ctx:
-        return max(need, 16), chunk
-    if n_tokens + extra > n_ctx:
-        hint = max(n_ctx - chunk, n_ctx // 2)  # room for the budget and a chunk beside it
-        raise KvliteError(
-            f"the prompt has {n_tokens} tokens and the context {n_ctx}: raise -c or use an evicting policy "
-            f"(e.g. --policy streaming --budget {hint})"
-        )
-    return n_ctx, chunk
-
-
 @dataclasses.dataclass
 class Timings:
     prefill_s: float = 0.0
@@ -108,6 +47,18 @@ class Timings:
         d["prefill_tok_s"] = self.prefill_tokens / self.prefill_s if self.prefill_s else None
         d["decode_tok_s"] = self.decode_tokens / self.decode_s if self.decode_s else None
         return d
+
+    def __sub__(self, other: Timings) -> Timings:
+        return Timings(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """A runner's counters at one moment (Runner.mark): a report since then subtracts them."""
+
+    timings: Timings
+    evicted: int
+    workspace_forward_passes: int
 
 
 @dataclasses.dataclass
@@ -180,9 +131,10 @@ class Runner:
             capture.enabled = False  # switched on for the tokens observed
         return capture
 
-    def restore(self, snap: Snapshot) -> None:
-        """Start over from a snapshot of a prompt read earlier (in this or another runner)."""
-        self.cache.restore(snap)
+    def restore(self, snap: Snapshot, evicted: int = 0) -> None:
+        """Start over from a snapshot of a prompt read earlier (in this or another runner).
+        evicted: what the snapshot's sequence had evicted before (a server's slot file)."""
+        self.cache.restore(snap, evicted)
         self.observed = {}
         self._reset_counters()
         if self.capture is not None:
@@ -375,8 +327,16 @@ class Runner:
                 on_text(stream.flush())
         return out, stopped
 
-    def cache_report(self, n_prompt: int) -> dict:
-        """kv_bytes: the K and V bytes the resident cells take (a sliding layer's at most its window's)."""
+    def mark(self) -> Mark:
+        return Mark(dataclasses.replace(self.timings), self.cache.evicted, self.workspace_forward_passes)
+
+    def timings_since(self, since: Mark | None = None) -> dict:
+        return (self.timings - since.timings if since else self.timings).as_dict()
+
+    def cache_report(self, n_prompt: int, since: Mark | None = None) -> dict:
+        """kv_bytes: the K and V bytes the resident cells take (a sliding layer's at most its window's).
+        since: count evictions and workspace passes from that mark on (one request of a conversation)."""
+        since = since or Mark(Timings(), 0, 0)
         kept = self.kept_positions if self.kept_positions is not None else self.cache.positions()
         info, cells = self.model.info, self.cache.n_resident
         layer_cells = len(info.full_layers) * cells + len(info.swa_layers) * min(cells, info.n_swa or cells)
@@ -385,9 +345,9 @@ class Runner:
             "n_ctx": self.ctx.n_ctx,
             "max_cells": self.cache.max_cells,
             "final_cells": self.cache.n_resident,
-            "evicted": self.cache.evicted,
+            "evicted": self.cache.evicted - since.evicted,
             "kept_positions": [int(p) for p in kept if p < n_prompt],
-            "workspace_forward_passes": self.workspace_forward_passes,
+            "workspace_forward_passes": self.workspace_forward_passes - since.workspace_forward_passes,
             "kv_buffers": self.ctx.kv_buffers,
             "type_k": self.ctx.type_k,
             "type_v": self.ctx.type_v,

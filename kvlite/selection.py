@@ -16,6 +16,13 @@ def protected_positions(positions: np.ndarray, sinks: int, window: int = 0) -> n
     return mask
 
 
+def ranked(positions: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Indices of `positions` from the highest score down; ties go to the later position. The one
+    order every top-n cut uses (select_keep, Observation.top)."""
+    # lexsort: last key is primary -> by score, then by position, both descending
+    return np.lexsort((-np.asarray(positions), -np.asarray(scores, dtype=np.float64)))
+
+
 def select_keep(positions: np.ndarray, scores: np.ndarray, budget: int, protected: np.ndarray) -> np.ndarray:
     """The positions to keep: every protected one, then the highest-scoring others up to `budget`
     in all. Ties go to the later position. Returns sorted positions."""
@@ -29,7 +36,6 @@ def select_keep(positions: np.ndarray, scores: np.ndarray, budget: int, protecte
     if room < 0:
         raise ValueError(f"{int(protected.sum())} protected tokens do not fit in a budget of {budget}")
     free = np.flatnonzero(~protected)
-    # lexsort: last key is primary -> by score, then by position, both descending
-    order = free[np.lexsort((-positions[free], -scores[free]))]
+    order = free[ranked(positions[free], scores[free])]
     keep = np.concatenate([np.flatnonzero(protected), order[:room]])
     return np.sort(positions[keep])

@@ -14,7 +14,7 @@
 #include "ggml.h"
 
 // Bumped whenever a signature or a layout changes; Python refuses a library with another value.
-#define KVL_ABI_VERSION 14
+#define KVL_ABI_VERSION 15
 
 enum kvl_status {
     KVL_OK = 0,

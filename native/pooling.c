@@ -1,22 +1,6 @@
 // EchoKV scores: attention pooling (Eq. 3) and RoPE proposals (Eq. 2).
 #include "kvl.h"
 
-// SnapKV-style smoothing, in place on the host: x[i] = max(x[i - h .. i + h]) over the indices
-// that exist, h = kernel / 2 (max_pool1d with stride 1 and padding h; exact, as a max is).
-static int kvl_max_smooth(float * x, int n, int kernel) {
-    const int h = kernel / 2;
-    float * y = malloc(sizeof(float) * (size_t) n);
-    if (!y) return KVL_NO_MEMORY;
-    for (int i = 0; i < n; i++) {
-        float m = x[i];
-        for (int j = i - h < 0 ? 0 : i - h; j <= i + h && j < n; j++) m = x[j] > m ? x[j] : m;
-        y[i] = m;
-    }
-    memcpy(x, y, sizeof(float) * (size_t) n);
-    free(y);
-    return KVL_OK;
-}
-
 // Scaled, masked logits of keys [c0, c0 + len) for every query: [len, n_q, n_head].
 static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggml_tensor * tq, struct ggml_tensor * tk,
                                              struct ggml_tensor * tm, int c0, int len, float scale) {
@@ -44,7 +28,6 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
 //   key_mask: f32 [n_keys], 0 for a key that counts, a large negative value (-1e30) for one that
 //             does not (its probability is 0); NULL: every key counts
 //   chunk:    keys per chunk (0: automatic, see below)
-//   pool_kernel: odd width of a max-pool over keys applied to the pooled scores (0 or 1: none)
 //   out:      f32 [n_layer, n_head_kv, n_keys]
 // Memory: one graph per layer and block of queries, sized so that a block's probabilities stay
 // under KVL_POOL_BYTES (softmax rows are independent, so blocks of queries add up, or max, on the
@@ -140,9 +123,9 @@ static int kvl_pool_block(struct kvl_ctx * c, const float * q_layer, const void 
 
 int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_type, const float * key_mask,
                   int n_layer, int n_head, int n_head_kv, int n_q, int n_keys, int head_dim, float scale, int chunk,
-                  int pool_kernel, int reduce_max, int causal_tail, float * out) {
+                  int reduce_max, int causal_tail, float * out) {
     if (!c || n_layer <= 0 || n_head <= 0 || n_head_kv <= 0 || n_q <= 0 || n_keys <= 0 || head_dim <= 0 ||
-        n_head % n_head_kv != 0 || chunk < 0 || pool_kernel < 0 || (pool_kernel > 1 && pool_kernel % 2 == 0) ||
+        n_head % n_head_kv != 0 || chunk < 0 ||
         causal_tail < 0 || causal_tail > n_keys || (causal_tail > 0 && causal_tail != n_q)) {
         return KVL_BAD_SHAPE;
     }
@@ -171,9 +154,6 @@ int kvl_attn_pool(struct kvl_ctx * c, const float * q, const void * k, int k_typ
                                 b0 == 0 ? o : part);
             if (rc != KVL_OK || b0 == 0) continue;
             for (size_t i = 0; i < n_out; i++) o[i] = reduce_max ? (part[i] > o[i] ? part[i] : o[i]) : o[i] + part[i];
-        }
-        for (int h = 0; h < n_head_kv && rc == KVL_OK && pool_kernel > 1; h++) {
-            rc = kvl_max_smooth(o + (size_t) h * n_keys, n_keys, pool_kernel);
         }
     }
     free(part);

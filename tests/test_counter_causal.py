@@ -4,8 +4,8 @@ Tolerances: on the tiny f32 models with an f32 cache the native pass is f32 arit
 same inputs as a float64 twin; logits are O(1-100) (qwen2's tied embeddings are large), so
 1e-3 absolute is ~100x the summation-order noise of test_reference_parity. Keep-sets are compared
 exactly. On SmolLM2 Q4_1, llama.cpp rounds activations to Q8 before every quantized matmul and
-the twin does not (notes: ~8e-2 on post-RoPE Q), so only the keep-sets are compared, against a
-floor measured with margin."""
+the twin does not (~8e-2 on post-RoPE Q: docs/design.md, "Measured facts the code relies on"), so
+only the keep-sets are compared, against a floor measured with margin."""
 
 from __future__ import annotations
 

@@ -12,8 +12,9 @@ from kvlite.engine import SamplingParams
 from kvlite.errors import KvliteError
 from kvlite.eval import multiturn, tasks
 from kvlite.eval.evaluate import SampleRun, tokenize
-from kvlite.eval.grid import Grid, GridConfig, parse_spec, split_policies
+from kvlite.eval.grid import Grid, GridConfig
 from kvlite.eval.records import read_records
+from kvlite.eval.specs import parse_spec, split_policies
 from kvlite.policies import EchoKV, SnapKV, make_policy
 from kvlite.runner import Runner, RunSettings
 

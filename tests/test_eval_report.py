@@ -44,6 +44,18 @@ def test_plots_are_written(tmp_path):
     assert report.plot_occupancy(RECORDS, "m", "single/1024", 0, 999, tmp_path / "none.png") is None
 
 
+def test_score_plot_is_a_task_by_length_grid(tmp_path):
+    """One row per task, one column per length, one legend: three lengths fit a page (~1000 px), where
+    one row of nine panels was 4290 px wide."""
+    records = [rec(p, b, 0.5, 0, task=f"test:{t}/{n}") for t in ("single", "multikey", "twohop")
+               for n in (2048, 4096, 8192) for p, b in (("full", None), ("snapkv", 128), ("snapkv", 256))]  # fmt: skip
+    assert report._task_and_length("test:single/2048") == ("test:single", "2048")
+    assert report._task_and_length("narrativeqa") == ("narrativeqa", "")
+    png = report.plot_scores(report.summarize(records), "m", tmp_path / "grid.png").read_bytes()
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert 700 < width <= 1100 and height > 0.6 * width  # three columns, three rows
+
+
 def test_throughput_split():
     timed = [
         {

@@ -96,3 +96,11 @@ def test_only_native_touches_the_library():
         text = path.read_text()
         if path.name != "native.py":
             assert "ctypes.data" not in text and "kvl_" not in text, f"{path} reaches into the C library"
+
+
+def test_every_registered_policy_is_exported():
+    """kvlite's policy exports come from the registry: a new policy needs no line in kvlite/__init__."""
+    from kvlite.policies import POLICIES
+
+    assert {cls.__name__ for cls in POLICIES.values()} <= set(kvlite.__all__)
+    assert all(getattr(kvlite, cls.__name__) is cls for cls in POLICIES.values())

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvlite.api import Session, asks_something
+from kvlite.api import Session
 from kvlite.engine import Model
 from kvlite.errors import KvliteError
+from kvlite.evict import asks_something
 from kvlite.policies import KVzip, make_policy
 from kvlite.policies.kvzip import POSTFIX, max_pool, repeat_prompt, to_tokens
 from kvlite.reference.model import ReferenceModel

@@ -14,7 +14,7 @@ import torch
 
 from kvlite.cli import build_parser
 from kvlite.errors import KvliteError
-from kvlite.eval.grid import parse_spec
+from kvlite.eval.specs import parse_spec
 from kvlite.policies import ALL_PARAMS, POLICIES, KNorm, make_policy
 from kvlite.reference.model import ReferenceModel
 from kvlite.reference.scores import knorm
@@ -123,3 +123,13 @@ def test_knorm_first_layer_beyond_the_model(tiny_paths):
     model = Model(tiny_paths["llama"])
     with pytest.raises(KvliteError, match="the model has 3 layers"):  # when the runner is made, before any work
         Runner(model, KNorm(budget=20, first_layer=9), RunSettings(n_ctx=256, chunk=64))
+
+
+def test_hybrid_gives_each_part_its_own_pool_kernel():
+    """The hybrid holds an EchoKV and a KVzip; --pool-kernel is the EchoKV part's (its rule: 13, 7
+    under 128 cells), and the KVzip part keeps KVzip's 7 whatever it says."""
+    for budget, kernel in ((64, 7), (256, 13)):
+        h = make_policy("hybrid", budget=budget)
+        assert (h.echokv.pool_kernel, h.kvzip.pool_kernel) == (kernel, 7)
+    h = make_policy("hybrid", budget=256, pool_kernel=5, repeat_chunk=64, lookahead=8)
+    assert (h.echokv.pool_kernel, h.kvzip.pool_kernel, h.kvzip.repeat_chunk, h.echokv.lookahead) == (5, 7, 64, 8)

@@ -23,8 +23,8 @@ from conftest import KVLITE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlite.http_app import create_app
 from kvlite.serve import ApiError, ServeConfig, Server, StopFilter, parse_messages, parse_policy, parse_request
+from kvlite.serve.app import create_app
 
 pytestmark = pytest.mark.slow
 KEY = "sk-test"

@@ -1,7 +1,7 @@
 """The eval callback: copies the intermediate tensors a caller asked for, and asks llama.cpp for
 nothing else (every tensor the scheduler is asked about splits the graph there). The callback
-itself is C (kvlite's native library): llama.cpp calls it for every graph node, ~1000 per token,
-and a Python callback there cost ~15% of decode speed."""
+itself is C (kvlite's native library): llama.cpp calls it for every graph node, and a Python
+callback there slowed decoding down (docs/design.md, "Measured facts the code relies on")."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import llama_cpp as L
 import numpy as np
 
 from ..errors import KvliteError
+from ..limits import DEFAULT_CHUNK
 from ..native import default_threads, native
 from . import cachetypes, kvstate
 from .capture import Capture
@@ -80,7 +81,7 @@ class Context:
         self,
         model: Model,
         n_ctx: int,
-        n_batch: int = 512,
+        n_batch: int = DEFAULT_CHUNK,
         n_threads: int | None = None,
         flash_attn: str = "auto",
         type_k: str = "f16",
@@ -183,9 +184,6 @@ class Context:
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
-
-    def seq_pos_max(self, seq_id: int) -> int:
-        return L.llama_memory_seq_pos_max(self.mem, seq_id)
 
     def clear(self) -> None:
         L.llama_memory_clear(self.mem, True)

@@ -75,7 +75,7 @@ class Model:
         params = L.llama_model_default_params()
         self.n_gpu_layers = offloaded_layers(n_gpu_layers, self.info.n_layer)
         params.n_gpu_layers = self.n_gpu_layers
-        # On CPU builds the AMX/repack buffers crash the first decode on AMX-capable CPUs (notes).
+        # On CPU builds the AMX/repack buffers crash the first decode on AMX-capable CPUs (docs/design.md).
         params.use_extra_bufts = use_extra_bufts
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
@@ -128,10 +128,6 @@ class Model:
 
     def is_eog(self, token: int) -> bool:
         return bool(L.llama_vocab_is_eog(self.vocab, token))
-
-    @property
-    def add_bos(self) -> bool:
-        return bool(L.llama_vocab_get_add_bos(self.vocab))
 
     # -- chat -----------------------------------------------------------------------------------
     @property

@@ -23,7 +23,7 @@ def _names(text: str) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    from .grid import split_policies
+    from .specs import split_policies
     from .tasks import TASKS
 
     p = sub.add_parser(

@@ -16,14 +16,15 @@ import numpy as np
 
 from ..cache import KVCache, Snapshot
 from ..engine import Capture, Context, Model, SamplingParams
+from ..limits import DEFAULT_CHUNK
 from ..policies import FullKV, Policy
 from ..policies.lookahead import EchoKV
 from ..policies.observe import Observation
-from ..runner import Runner, RunSettings
+from ..runner import Runner
+from ..settings import RunSettings
 from . import longbench, metrics
 from .tasks import Sample
 
-CHUNK = 512
 BASE_MODEL_CUE = "\nAnswer:"  # what follows a chat task's prompt for a model without a chat template
 
 
@@ -113,11 +114,13 @@ def read_prefix(model: Model, tokens: list[int], n_ctx: int, n_threads: int | No
     hidden_layer = model.info.n_layer - 2
     capture = Capture(model.info)
     capture.request("hidden", [hidden_layer])
-    ctx = Context(model, n_ctx, n_batch=CHUNK, n_threads=n_threads, type_k=kv_type, type_v=kv_type, capture=capture)
+    ctx = Context(
+        model, n_ctx, n_batch=DEFAULT_CHUNK, n_threads=n_threads, type_k=kv_type, type_v=kv_type, capture=capture
+    )
     try:
         cache = KVCache(ctx, hidden_layer=hidden_layer)
-        for start in range(0, len(tokens), CHUNK):
-            cache.append(tokens[start : start + CHUNK], logits="none")
+        for start in range(0, len(tokens), DEFAULT_CHUNK):
+            cache.append(tokens[start : start + DEFAULT_CHUNK], logits="none")
         return cache.snapshot()
     finally:
         ctx.close()
@@ -139,7 +142,7 @@ class SampleRun:
         self.snapshot = read_prefix(model, prompt.tokens[: n - self.tail], self.n_ctx, n_threads, kv_type)
         self.prefix_s = time.perf_counter() - t0
 
-    def runner(self, policy: Policy, chunk: int = CHUNK) -> Runner:
+    def runner(self, policy: Policy, chunk: int = DEFAULT_CHUNK) -> Runner:
         settings = RunSettings(n_ctx=self.n_ctx, chunk=chunk, sampling=SamplingParams(temp=0.0),
                                n_threads=self.n_threads, type_k=self.kv_type, type_v=self.kv_type)  # fmt: skip
         return Runner(self.model, policy, settings)
@@ -152,7 +155,9 @@ class SampleRun:
             runner.restore(self.snapshot)
             runner.feed(tokens[-self.tail :])
 
-    def cell(self, policy: Policy, reuse: str | None = None, chunk: int = CHUNK, evolution: bool = False) -> dict:
+    def cell(
+        self, policy: Policy, reuse: str | None = None, chunk: int = DEFAULT_CHUNK, evolution: bool = False
+    ) -> dict:
         """Run one policy (FullKV first: it makes the reference) and score it. reuse: a name under
         which the policy's scores are kept and reused by later cells of the same name, when the
         scores do not depend on the budget (the eviction is then the same as a fresh run's).

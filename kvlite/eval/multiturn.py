@@ -13,9 +13,10 @@ import numpy as np
 from ..api import Conversation, Session
 from ..cache import Snapshot
 from ..engine import Model, SamplingParams
+from ..limits import DEFAULT_CHUNK
 from ..policies import Policy
 from ..policies.observe import Observation
-from ..runner import DEFAULT_CHUNK, RunSettings
+from ..settings import RunSettings
 from . import metrics
 from .evaluate import ScoreMemo, read_prefix
 from .tasks import Sample

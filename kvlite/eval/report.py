@@ -7,6 +7,7 @@ import csv
 import io
 import pathlib
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -103,22 +104,6 @@ def to_markdown(rows: list[dict], value: str = "score", digits: int = 2) -> str:
     return "\n".join(out)
 
 
-def fidelity_markdown(rows: list[dict], model: str) -> str:
-    """Fidelity averaged over tasks, per policy and budget: KL, top-1, token agreement, exact match."""
-    acc: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        if r["model"] == model and r["policy"] != "full":
-            acc[(r["policy"], r["budget"])].append(r)
-    lines = [
-        "| policy | budget | KL (nats) | top-1 | token agreement | exact match | evidence kept |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for (policy, budget), rs in sorted(acc.items(), key=lambda kv: (_policy_order(kv[0][0]), _budget_order(kv[0][1]))):
-        vals = [_mean([r[k] for r in rs]) for k in ("kl", "top1", "token_agreement", "exact_match", "evidence_kept")]
-        lines.append(f"| {policy} | {budget} | " + " | ".join(_fmt(v) for v in vals) + " |")
-    return "\n".join(lines)
-
-
 def sample_key(r: dict) -> tuple:
     """What pairs two cells: the same model, split, task and sample."""
     return (r["model"], r.get("split", "tune"), r["task"], r["sample"])
@@ -198,29 +183,65 @@ def _pyplot():
     return plt
 
 
-def plot_scores(rows: list[dict], model: str, path: pathlib.Path, value: str = "score") -> pathlib.Path:
-    """Score vs budget, one panel per task, one line per policy; the full cache dashed."""
+def _task_and_length(task: str) -> tuple[str, str]:
+    """A task's name and prompt length: "test:single/2048" -> ("test:single", "2048"); (task, "")
+    for a task without one (a LongBench file's)."""
+    name, _, length = task.rpartition("/")
+    return (name, length) if name and length.isdigit() else (task, "")
+
+
+def plot_scores(
+    rows: list[dict], model: str, path: pathlib.Path, value: str = "score", label: Callable[[str], str] = str
+) -> pathlib.Path:
+    """Score vs budget as a grid of panels, one row per task and one column per prompt length, one
+    line per policy (the same colour and marker in every panel, named once in the figure's legend);
+    the full cache dashed. label: how a policy spec reads in the legend."""
     plt = _pyplot()
     mine = [r for r in rows if r["model"] == model]
-    task_names = list(dict.fromkeys(r["task"] for r in mine))
-    fig, axes = plt.subplots(1, len(task_names), figsize=(4 * len(task_names) + 3, 3.4), squeeze=False)
-    for ax, task in zip(axes[0], task_names):
-        rs = [r for r in mine if r["task"] == task]
-        for policy in dict.fromkeys(r["policy"] for r in rs if r["policy"] != "full"):
-            pts = sorted((r["budget"], r[value]) for r in rs if r["policy"] == policy and r[value] is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=policy)
-        full = next((r[value] for r in rs if r["policy"] == "full"), None)
-        if full is not None:
-            ax.axhline(full, color="black", linestyle="--", label="full cache")
+    cells = {_task_and_length(r["task"]) for r in mine}
+    tasks = list(dict.fromkeys(_task_and_length(r["task"])[0] for r in mine))
+    lengths = sorted({length for _, length in cells}, key=lambda s: int(s) if s else 0)
+    split = {t.partition(":")[0] for t in tasks if ":" in t}
+    shared = split.pop() if len(split) == 1 and all(":" in t for t in tasks) else ""  # "test": said once, in the title
+    policies = list(dict.fromkeys(r["policy"] for r in mine if r["policy"] != "full"))
+    colours = plt.get_cmap("tab10").colors
+    style = {p: (colours[i % len(colours)], "os^Dv<>ph*"[i % 10]) for i, p in enumerate(policies)}
+    budgets = sorted({r["budget"] for r in mine if r["budget"] is not None})
+    fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(0.6 + 2.9 * len(lengths), 0.9 + 2.1 * len(tasks)),
+                             sharex=True, sharey=True, squeeze=False, layout="constrained")  # fmt: skip
+    handles: dict[str, object] = {}
+    for i, task in enumerate(tasks):
+        for j, length in enumerate(lengths):
+            ax = axes[i][j]
+            rs = [r for r in mine if _task_and_length(r["task"]) == (task, length)]
+            if not rs:
+                ax.set_axis_off()
+                continue
+            for policy in policies:
+                pts = sorted((r["budget"], r[value]) for r in rs if r["policy"] == policy and r[value] is not None)
+                if pts:
+                    colour, marker = style[policy]
+                    (handles[policy],) = ax.plot(*zip(*pts), color=colour, marker=marker, markersize=5, alpha=0.85)
+            full = next((r[value] for r in rs if r["policy"] == "full"), None)
+            if full is not None:
+                handles["full"] = ax.axhline(full, color="black", linestyle="--", linewidth=1.2)
+            ax.grid(alpha=0.3)
+            if i == 0 and length:
+                ax.set_title(f"{length} tokens", fontsize=10)
+            if j == 0:
+                ax.set_ylabel(f"{task.removeprefix(shared + ':') if shared else task}\n{value}")
+            if i == len(tasks) - 1:
+                ax.set_xlabel("budget (cells)")
+    for ax in axes.flat:
         ax.set_xscale("log", base=2)
-        ax.set_title(task)
-        ax.set_xlabel("budget (cells)")
-        ax.set_ylabel(value)
+        if budgets:
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.minorticks_off()
         ax.set_ylim(-0.05, 1.05)
-    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))  # outside: lines end at 1.0
-    fig.suptitle(model)
-    fig.tight_layout()
+    names = [p for p in policies if p in handles] + (["full"] if "full" in handles else [])
+    fig.legend([handles[p] for p in names], [("full cache" if p == "full" else label(p)) for p in names],
+               loc="outside lower center", ncol=min(len(names), 4), fontsize=9, frameon=False)  # fmt: skip
+    fig.suptitle(f"{model} · {shared} split" if shared else model, fontsize=11)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -2,8 +2,8 @@
 the evidence positions are known, so accuracy, fidelity and evidence retention can all be measured
 offline. The haystack is real prose (kvlite.haystack: standard-library docstrings).
 
-Layouts follow RULER and the calibration in notes/calibration.md (what SmolLM2-135M and
-Qwen2.5-Coder-0.5B solve with the full cache)."""
+Layouts follow RULER and the full-cache calibration (what SmolLM2-135M and Qwen2.5-Coder-0.5B
+solve with the full cache: docs/design.md, "Calibration")."""
 
 from __future__ import annotations
 
@@ -189,8 +189,8 @@ def multi_key(b: Builder, target: int, depth: float, n_keys: int = 4) -> tuple[s
 def two_hop(b: Builder, target: int, depth: float) -> tuple[str, list[str], list]:
     """Two facts far apart that must be joined: who lives where (at `depth`), and the code of that
     place (half the text later). The question names neither the place nor the code, and comes first
-    as well as last: asked only at the end, both test models answered with the city (calibration
-    in docs/results.md)."""
+    as well as last: asked only at the end, both test models answered with the city (docs/design.md,
+    "Calibration")."""
     p = b.p
     person, place, code = b.rng.choice(p.people), b.rng.choice(p.places), _code(b.rng, p.digits)
     facts = [
@@ -204,8 +204,8 @@ def two_hop(b: Builder, target: int, depth: float) -> tuple[str, list[str], list
 
 def variable_tracking(b: Builder, target: int, depth: float, hops: int = 4) -> tuple[str, list[str], list]:
     """RULER's vt: a chain VAR A = value, VAR B = VAR A, ... spread through the text; the answer is
-    every variable of the chain. The question also comes first (Qwen needs it there, calibration).
-    The same wording in both splits (RULER's), over each split's prose."""
+    every variable of the chain. The question also comes first (Qwen needs it there: docs/design.md,
+    "Calibration"). The same wording in both splits (RULER's), over each split's prose."""
     names: list[str] = []
     while len(names) < hops + 1:
         name = "".join(b.rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))

@@ -52,6 +52,13 @@ def make_policy(name: str, **params: Any) -> Policy:
     return policy
 
 
+def check_budget(name: str, budget: int | None, policy_flag: str = "--policy", budget_flag: str = "--budget N") -> None:
+    """Every policy but the full cache evicts to a budget, so one must be given. Checked before the
+    policy is made, so that this is what a user hears first (each surface names its own flags)."""
+    if name in POLICIES and name != "full" and budget is None:
+        raise KvliteError(f"{policy_flag} {name} needs {budget_flag} (KV cells to keep)")
+
+
 def _all_params() -> dict[str, Param]:
     """Every policy parameter once, by field name, in the order policies declare them. A field
     shared by several policies has one declaration (its flag is shared)."""
@@ -96,5 +103,5 @@ def default_summary(name: str) -> str:
 __all__ = [
     "H2O", "LAQ", "POLICIES", "TOVA", "CounterCausal", "CounterCausalBlind", "CounterCausalFast", "DapQ", "EchoKV",
     "FullKV", "Hybrid", "KNorm", "KVzip", "Param", "Policy", "SnapKV", "StreamingLLM", "make_policy", "param",
-    "parameter_table",
+    "parameter_table", "check_budget",
 ]  # fmt: skip

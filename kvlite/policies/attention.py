@@ -87,8 +87,9 @@ class TOVA(LastQueries):
 @dataclasses.dataclass
 class H2O(LastQueries):
     """H2O (Zhang et al., 2023): heavy hitters by accumulated attention, plus a recent window of
-    half the budget. At an eviction point the attention accumulated is that of the last 32 queries
-    (kvlite has no full prefill attention matrix; docs/policies.md)."""
+    half the budget. H2O sums the attention of every query; kvlite has no full prefill attention
+    matrix and keeps no running sum, so at an eviction point it sums that of the last 32 prompt
+    queries (the pooling kernel, as every attention policy; docs/policies.md)."""
 
     name = "h2o"
     reads = "the attention the last prompt queries paid each cached key of {layers}, accumulated"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..errors import KvliteError
-from ..limits import INT32_MAX
+from ..limits import INT32_MAX, check_pool_kernel
 
 if TYPE_CHECKING:
     from ..models import ModelInfo
@@ -66,8 +66,8 @@ class Param:
         maximum = INT32_MAX if self.type is int and self.maximum is None else self.maximum
         if maximum is not None and value > maximum:
             raise KvliteError(f"{self.spelling} must be <= {maximum:g}, got {value}")
-        if self.odd and value > 1 and value % 2 == 0:
-            raise KvliteError(f"{self.spelling} must be odd (or 0), got {value}")
+        if self.odd:
+            check_pool_kernel(self.spelling, value)
 
     def parse(self, text: str) -> Any:
         """A value from text (an eval spec or a flag)."""

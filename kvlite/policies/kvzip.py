@@ -3,7 +3,8 @@ kvpress's KVzipPress): keep what the model needs to repeat the context. The resi
 teacher-forced back, chunk by chunk, after a prompt asking for them to be repeated, on a
 workspace view of the whole cache; a cell's score is the largest attention any query of its
 chunk's pass pays it. No question is needed, so a document turn can be compressed before the
-questions about it arrive (notes/peers.md: 13 of 14 stated-once facts at budget 256).
+questions about it arrive (what KVzip's own code kept where the prompt-window methods lost
+everything: docs/design.md, "The peers").
 
 How the port reads the reference code (snu-mllab/KVzip attention/score.py, kvpress
 kvzip_press.py): the prompts are theirs; each pass's softmax runs over the first `sinks` cells,
@@ -11,10 +12,10 @@ its chunk's cells and the pass's own tokens (causally), as theirs; the score is 
 the pass's queries and the query heads of a KV group, as theirs. KVzip then keeps (layer, head,
 token) triples above one global threshold; llama.cpp frees whole tokens, so kvlite needs one score
 per token. The faithful reading (`--pair-vote votes`: how many of a token's triples clear KVzip's
-threshold) keeps evidence at chance on SmolLM2, because a copying head pays every token ~0.9 as
-it is repeated. kvlite's default (its own, chosen on the tune split: results-runs/kvzip-tune-1024,
-docs/policies.md) leaves out the heads that pay every token (`selective`) and smooths each head's
-scores with SnapKV's max-pool of 7, as kvlite's SnapKV does."""
+threshold) keeps evidence at chance on SmolLM2, because a copying head pays every token nearly
+all its attention as it is repeated. kvlite's default (its own, chosen on the tune split:
+results-runs/kvzip-tune-1024, docs/policies.md) leaves out the heads that pay every token
+(`selective`) and smooths each head's scores with SnapKV's max-pool of 7, as kvlite's SnapKV does."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import KvliteError
-from ..native import native
+from ..native import max_smooth, native
 from .attention import pool_kernel_param
 from .base import Policy, param
 from .observe import Observation
@@ -117,11 +118,8 @@ def max_pool(pairs: np.ndarray, kernel: int) -> np.ndarray:
     if kernel <= 1:
         return pairs
     finite = np.isfinite(pairs[0, 0])
-    scored = pairs[:, :, finite]
-    half = kernel // 2
-    padded = np.pad(scored, ((0, 0), (0, 0), (half, half)), constant_values=-np.inf)
     out = pairs.copy()
-    out[:, :, finite] = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=2).max(axis=-1)
+    out[:, :, finite] = max_smooth(pairs[:, :, finite], kernel)
     return out
 
 
@@ -130,10 +128,11 @@ def to_tokens(pairs: np.ndarray, how: str, budget: int | None) -> np.ndarray:
     votes: KVzip keeps the (layer, head, token) triples above one global threshold, set so that the
     share of them that survives is the share of scored tokens the budget keeps; a token scores the
     number of its triples that survive (ties: the mean). max / mean: over layers and KV heads. On
-    SmolLM2 every token has a copying head that pays it ~0.9 or more, so the maximum is nearly flat
-    (docs/policies.md). selective (kvlite's own): the maximum over the pairs whose median score is at
-    most the median of the pairs' medians; a copying head pays nearly every token as it is repeated,
-    so its high median says it cannot tell tokens apart, and it is left out."""
+    SmolLM2 every token has a copying head that pays it nearly all its attention, so the maximum is
+    nearly flat (docs/policies.md, "Token-level KVzip"). selective (kvlite's own): the maximum over
+    the pairs whose median score is at most the median of the pairs' medians; a copying head pays
+    nearly every token as it is repeated, so its high median says it cannot tell tokens apart, and
+    it is left out."""
     n = pairs.shape[2]
     finite = np.isfinite(pairs[0, 0])
     out = np.full(n, np.inf)

@@ -1,6 +1,7 @@
 """Policies whose queries come from decoding ahead on a workspace view of the prompt: the queries
-of the answer being generated are the ones with a reason to find the evidence (notes/lookahead.md).
-Both decode T tokens on the workspace (sequence 1); the live cache is untouched until eviction."""
+of the answer being generated are the ones with a reason to find the evidence (docs/design.md,
+"Why lookahead"). Both decode T tokens on the workspace (sequence 1); the live cache is untouched
+until eviction."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class EchoKV(LookaheadPolicy):
     # Picked on the tune split by a joint successive-halving search over S, T, smoothing, B1 and
     # aggregation (scripts/pick_defaults.py; docs/results.md, "EchoKV defaults"). S=16, not the
     # paper's 1: with a chat template the last prompt token is a template marker whose query does
-    # not point at the evidence (W1 held 21% of it with S=1, 83% with S=16, LAQ's W 83%). S=1 tied
+    # not point at the evidence (how much of it W1 held: docs/policies.md, the echokv row). S=1 tied
     # on accuracy; the search's tie-break (lower KL) chose 16.
     anchors: int = anchors_param(16)
     lookahead: int = 24

@@ -19,6 +19,7 @@ from ..errors import KvliteError
 from ..native import native, release
 from ..scoring.aggregate import aggregate
 from ..scoring.proposals import proposals
+from ..selection import ranked
 
 Queries = np.ndarray | Callable[[int], np.ndarray]  # [L, H, n, D], or layer i's [1, H, n, D] on demand
 
@@ -97,8 +98,7 @@ class Observation:
 
     def top(self, scores: np.ndarray, n: int) -> np.ndarray:
         """The n resident positions with the highest scores (ties: later first), ascending."""
-        order = np.lexsort((-self.positions, -np.asarray(scores, dtype=np.float64)))
-        return np.sort(self.positions[order[:n]])
+        return np.sort(self.positions[ranked(self.positions, scores)[:n]])
 
     # -- lookahead on the workspace sequence ------------------------------------------------------
     def lookahead(self, prompt_view: np.ndarray) -> Lookahead:

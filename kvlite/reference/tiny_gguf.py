@@ -126,36 +126,7 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
         return (1.0 + 0.1 * rng.standard_normal(E)).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), spec.arch)
-    w.add_name(f"tiny-{spec.arch}")
-    w.add_context_length(spec.n_ctx_train)
-    w.add_embedding_length(E)
-    w.add_block_count(spec.n_layer)
-    w.add_feed_forward_length(spec.n_ff)
-    w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(spec.rope_base)
-    if spec.arch == "gemma3":
-        w.add_key_length(D)
-        w.add_value_length(D)
-        w.add_sliding_window(spec.sliding_window)
-        w.add_sliding_window_pattern(spec.swa_pattern)
-        w.add_rope_freq_base_swa(spec.rope_base_swa)
-    if spec.yarn:
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(spec.yarn[0])
-        w.add_rope_scaling_orig_ctx_len(spec.yarn[1])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.weights == "f16" else gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * n_vocab)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
-    if spec.chat_template:
-        w.add_chat_template(CHATML)
+    _write_metadata(w, spec, tokens, types)
 
     if spec.rope_freqs:
         w.add_tensor("rope_freqs.weight", llama3_freq_factors(D, spec.rope_base))
@@ -191,3 +162,39 @@ def write_tiny_gguf(path: str | pathlib.Path, spec: TinySpec = TinySpec()) -> pa
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _write_metadata(w, spec: TinySpec, tokens: list[str], types: list[int]) -> None:
+    """The fixture's key-value metadata: the model's shape, RoPE and the tokenizer."""
+    import gguf
+
+    w.add_name(f"tiny-{spec.arch}")
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(spec.n_embd)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(spec.n_ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(spec.rope_base)
+    if spec.arch == "gemma3":
+        w.add_key_length(spec.head_dim)
+        w.add_value_length(spec.head_dim)
+        w.add_sliding_window(spec.sliding_window)
+        w.add_sliding_window_pattern(spec.swa_pattern)
+        w.add_rope_freq_base_swa(spec.rope_base_swa)
+    if spec.yarn:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.yarn[0])
+        w.add_rope_scaling_orig_ctx_len(spec.yarn[1])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if spec.weights == "f16" else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+    if spec.chat_template:
+        w.add_chat_template(CHATML)

@@ -1,8 +1,9 @@
 """From per-(layer, KV group) token scores to one score per token.
 
 The papers select tokens per layer and KV group; llama.cpp frees a cell in every layer and head
-at once, so kvlite aggregates (DESIGN: token-level eviction). Three ways, chosen by measurement
-(the lookahead notes found max or mean with smoothing worked and votes did not):
+at once, so kvlite aggregates (docs/design.md, "Token-level eviction"). Three ways, chosen by
+measurement (max or mean with smoothing kept a stated-once code, votes did not: docs/design.md,
+"Why lookahead"):
 - mean:  the mean over (layer, group) of each row normalized to sum 1;
 - max:   the maximum over (layer, group) of the normalized rows;
 - votes: how many (layer, group) rows put the token in their own top-`budget`, ties broken by mean.

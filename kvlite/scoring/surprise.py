@@ -5,7 +5,7 @@ For every resident cell i: the logit of its token x_i when the model reads the c
 order but each token attends only to cells of later positions. A low logit means the later context
 cannot predict x_i: surprising, keep it. `score="raw"` is the paper's logit; `"logprob"` subtracts
 the log-sum-exp over the vocabulary, which makes positions comparable (the raw logit ranked a
-stated-once answer among the first tokens evicted; notes/peers.md).
+stated-once answer among the first tokens evicted: docs/design.md, "The peers").
 """
 
 from __future__ import annotations

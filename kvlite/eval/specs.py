@@ -1,0 +1,94 @@
+"""Policy specs, as a grid names its cells: "echokv(T=8,aggregate=mean)" is a policy and its
+parameters, plus the settings of the cell itself (chunked mode's refresh interval, the chat's
+eviction mode, a protected question), and the model labels of records."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from ..errors import KvliteError
+from ..evict import MODES
+from ..policies import POLICIES, FullKV, Param, Policy, make_policy
+
+# Policy parameters in specs such as "echokv(T=8,aggregate=mean)" go by their declared alias, field
+# name or flag (kvlite.policies.base.Param). Spec parameters that set up the cell rather than the
+# policy: `h` (chunk, chunked mode's refresh interval; default limits.DEFAULT_CHUNK), and
+# `window=question`, which protects the sample's closing question (every token from its start on;
+# or the policy's own recent window if that is longer), as kvpress's protocol never compresses it.
+RUN_PARAMS = {
+    "h": ("chunk", Param("h", "chunked mode's refresh interval", minimum=1)),
+    "chunk": ("chunk", Param("h", "chunked mode's refresh interval", minimum=1)),
+    # multi-turn tasks: the chat's eviction mode (kvlite chat --evict; a spec without it: GRID_DEFAULT)
+    "evict": ("evict", Param("evict", "chat eviction mode", type=str, choices=MODES)),
+}
+QUESTION = "question"
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """ "echokv(T=8,aggregate=mean)" -> ("echokv", {"lookahead": 8, "aggregation": "mean"})."""
+    m = re.fullmatch(r"\s*([\w-]+)\s*(?:\((.*)\))?\s*", spec)
+    if not m or m.group(1) not in POLICIES:
+        raise KvliteError(f"unknown policy '{spec}': choose from {', '.join(POLICIES)} (parameters as name(T=8))")
+    declared = POLICIES[m.group(1)].params()
+    names = {**{p.flag.lstrip("-"): n for n, p in declared.items()}, **{n: n for n in declared},
+             **{p.alias: n for n, p in declared.items() if p.alias}}  # fmt: skip
+    params: dict = {}
+    for item in filter(None, (m.group(2) or "").split(",")):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise KvliteError(f"policy '{spec}': parameters are key=value, got '{item}'")
+        if key in RUN_PARAMS:
+            field, prm = RUN_PARAMS[key]
+            params[field] = prm.parse(value)
+            prm.check(params[field])
+        elif names.get(key) == "window" and value == QUESTION:
+            params["window"] = QUESTION
+        elif key in names:
+            params[names[key]] = declared[names[key]].parse(value)
+        else:
+            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h", "evict"])
+            raise KvliteError(f"policy '{spec}' has no parameter {key}: its parameters are {known}")
+    return m.group(1), params
+
+
+def split_policies(text: str) -> list[str]:
+    """Comma-separated specs; commas inside parentheses belong to a spec."""
+    return [p.strip() for p in re.findall(r"[^,(]+(?:\([^)]*\))?", text) if p.strip()]
+
+
+def policy_for(spec: str, budget: int | None, question_tokens: int | None = None) -> Policy:
+    """Grids evict once, when the prompt has been read (as kvpress and the papers' LongBench runs do),
+    unless a spec says mode=chunked. question_tokens: the sample's closing question's length in
+    tokens, for specs with window=question (None: unknown, and such a spec is refused)."""
+    name, params = parse_spec(spec)
+    params.setdefault("mode", "prefill-end")
+    params.pop("chunk", None)
+    params.pop("evict", None)
+    protect = params.get("window") == QUESTION
+    if protect:
+        if question_tokens is None:
+            raise KvliteError(f"'{spec}': this sample has no known question to protect")
+        del params["window"]
+    if name == "full":
+        return FullKV()
+    policy = make_policy(name, budget=budget, **params)
+    if protect:  # in addition to the policy's own recent window (H2O's is half the budget)
+        policy.window = max(policy.window, question_tokens)
+        policy.validate()
+    return policy
+
+
+def run_params(spec: str) -> dict:
+    """The cell settings a spec carries (chunk h for chunked mode, evict for multi-turn tasks)."""
+    return {k: v for k, v in parse_spec(spec)[1].items() if k in ("chunk", "evict")}
+
+
+def model_label(path: pathlib.Path, kv_type: str = "f16") -> str:
+    """A record's model: the file, and the cache type when it is not the default (its own table)."""
+    return path.stem if kv_type == "f16" else f"{path.stem} [{kv_type} cache]"
+
+
+def kv_type_of(label: str) -> str:
+    m = re.search(r" \[(\w+) cache\]$", label)
+    return m.group(1) if m else "f16"

@@ -1,0 +1,72 @@
+"""The server's counters, and /metrics in Prometheus' text format."""
+
+from __future__ import annotations
+
+import threading
+
+
+class Metrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[str, int] = {}
+        self.errors = 0
+        self.rejected = 0
+        self.prompt_tokens = self.prefilled_tokens = self.completion_tokens = 0
+        self.prefill_s = self.decode_s = 0.0
+
+    def count(self, endpoint: str) -> None:
+        with self.lock:
+            self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
+
+    def reject(self) -> None:
+        with self.lock:
+            self.rejected += 1
+
+    def error(self) -> None:
+        with self.lock:
+            self.errors += 1
+
+    def add(self, prompt_tokens: int, completion_tokens: int, report: dict) -> None:
+        """A request answered: its usage and its kvlite report (Server's)."""
+        t = report["timings"]
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.prefilled_tokens += report["prefilled_tokens"]
+            self.completion_tokens += completion_tokens
+            self.prefill_s += t["prefill_s"]
+            self.decode_s += t["decode_s"]
+
+    def prometheus(self, waiting: int, slots: list[dict]) -> str:
+        """The counters, then per slot (slots: their /slots states) its cells, budget and evictions."""
+        with self.lock:
+            by_endpoint = [(f'{{endpoint="{k}"}}', v) for k, v in sorted(self.requests.items())]
+            rows = [
+                ("requests_total", "counter", "Requests, by endpoint.", by_endpoint or [('{endpoint="chat"}', 0)]),
+                ("requests_rejected_total", "counter", "Requests answered 503: the queue was full.",
+                 [("", self.rejected)]),
+                ("errors_total", "counter", "Requests that failed inside the server (500).", [("", self.errors)]),
+                ("requests_waiting", "gauge", "Requests queued behind the one running.", [("", waiting)]),
+                ("prompt_tokens_total", "counter", "Prompt tokens of the requests answered.",
+                 [("", self.prompt_tokens)]),
+                ("prefilled_tokens_total", "counter", "Prompt tokens prefilled (the rest came from a slot's cache).",
+                 [("", self.prefilled_tokens)]),
+                ("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)]),
+                ("prefill_tokens_per_second", "gauge", "Prefill throughput over all requests.",
+                 [("", self.prefilled_tokens / self.prefill_s if self.prefill_s else 0)]),
+                ("decode_tokens_per_second", "gauge", "Decode throughput over all requests.",
+                 [("", self.completion_tokens / self.decode_s if self.decode_s else 0)]),
+            ]  # fmt: skip
+        labelled = [(f'{{slot="{s["id"]}"}}', s) for s in slots]
+        rows += [
+            ("slot_resident_cells", "gauge", "KV cells resident in a slot's cache.",
+             [(label, s["resident_cells"]) for label, s in labelled]),
+            ("slot_budget_cells", "gauge", "A slot's KV budget (0: none).",
+             [(label, s["budget"] or 0) for label, s in labelled]),
+            ("slot_evicted_cells_total", "counter", "KV cells a slot's conversation has evicted.",
+             [(label, s["evicted_cells"]) for label, s in labelled]),
+        ]  # fmt: skip
+        lines = []
+        for name, kind, doc, samples in rows:
+            lines += [f"# HELP kvlite_{name} {doc}", f"# TYPE kvlite_{name} {kind}"]
+            lines += [f"kvlite_{name}{labels} {value}" for labels, value in samples]
+        return "\n".join(lines) + "\n"

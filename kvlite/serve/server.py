@@ -1,0 +1,271 @@
+"""The work behind the endpoints: a chat turn on the slot its messages continue, a completion on a
+fresh cache, the slot files, and the report each answer carries. Every model call runs on the
+admission's one worker thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..api import Conversation, Session
+from ..engine import Model
+from ..errors import KvliteError
+from ..evict import chat_ctx, evict_mode
+from ..policies import make_policy
+from .admission import Admission
+from .config import ServeConfig
+from .metrics import Metrics
+from .requests import ApiError, Ask, parse_filename
+from .slots import (
+    Slot,
+    Slots,
+    cache_layout,
+    describe_layout,
+    read_slot_file,
+    slot_key,
+    write_slot_file,  # fmt: skip
+)
+
+
+def first_stop(text: str, stops: list[str]) -> int:
+    """Where the first stop sequence begins in text (-1: none does)."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+
+
+class StopFilter:
+    """Streamed text with the stop sequences cut: text that could still begin a stop sequence is
+    held back until the next piece decides it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.held, self.hit = stops, "", False
+
+    def push(self, text: str) -> str:
+        if self.hit:
+            return ""
+        self.held += text
+        cut = first_stop(self.held, self.stops)
+        if cut >= 0:
+            self.hit = True
+            out, self.held = self.held[:cut], ""
+            return out
+        keep = max((len(s) - 1 for s in self.stops), default=0)
+        # hold back only a tail that is a prefix of some stop sequence
+        k = next((k for k in range(min(keep, len(self.held)), 0, -1)
+                  if any(s.startswith(self.held[-k:]) for s in self.stops)), 0)  # fmt: skip
+        out, self.held = self.held[: len(self.held) - k], self.held[len(self.held) - k :]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.hit else self.held), ""
+        return out
+
+    def around(self, on_text: Callable[[str], None] | None) -> Callable[[str], None]:
+        """on_text behind this filter (or just the filter, which still watches for a stop)."""
+        return (lambda s: on_text(self.push(s))) if on_text else self.push
+
+    def finish(self, on_text: Callable[[str], None] | None) -> None:
+        tail = self.flush()
+        if on_text and tail:
+            on_text(tail)
+
+    def cut(self, text: str) -> str:
+        """The whole text as the client is given it."""
+        i = first_stop(text, self.stops)
+        return text if i < 0 else text[:i]
+
+
+@dataclasses.dataclass
+class Result:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    kvlite: dict
+
+
+def report(policy: str, cache: dict, timings: dict, n_prompt: int, prefilled: int, peak: int, **extra) -> dict:
+    """The `kvlite` object of an answer, from a run's cache report and timings (Runner.cache_report
+    and Timings.as_dict: a generation's, or one request's of a conversation)."""
+    return {
+        **extra,
+        "policy": policy,
+        "budget": cache["budget"],
+        "kept_cells": cache["final_cells"],
+        "evicted_cells": cache["evicted"],
+        "max_cells": cache["max_cells"],
+        "peak_cells": peak,
+        "workspace_forward_passes": cache["workspace_forward_passes"],
+        "prefilled_tokens": prefilled,
+        "reused_tokens": n_prompt - prefilled,  # read from the slot's cache, not prefilled
+        "timings": timings,
+    }
+
+
+def finish_reason(stopped: str) -> str:
+    return {"eog": "stop", "stop": "stop", "length": "length", "context full": "length"}.get(stopped, "stop")
+
+
+class Server:
+    """The model, the slots and the admission; what each endpoint does once its request is parsed."""
+
+    def __init__(self, cfg: ServeConfig, model: Model | None = None):
+        self.cfg = cfg
+        self.model = model
+        self.load_error: str | None = None
+        self.metrics = Metrics()
+        self.admission = Admission(cfg.queue, self.metrics.reject)
+        self.slot_table = Slots(cfg.slots)
+        self.stopping = False  # set by close(): every job's `cancelled` turns True
+        self.started = time.time()
+        self.default_sampling = cfg.settings.sampling
+
+    @property
+    def slots(self) -> list[Slot]:
+        return self.slot_table.all
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not finished: one running, the rest waiting."""
+        return self.admission.active
+
+    @property
+    def model_id(self) -> str:
+        if self.cfg.model_alias:
+            return self.cfg.model_alias
+        return self.model.path.name if self.model else (self.cfg.model or "default")
+
+    def load(self) -> None:
+        from ..models import resolve_model
+
+        try:
+            self.model = Model(resolve_model(self.cfg.model), use_extra_bufts=self.cfg.extra_bufts,
+                               n_gpu_layers=self.cfg.n_gpu_layers)  # fmt: skip
+        except KvliteError as e:
+            self.load_error = str(e)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the server must end, not wait at 503
+            self.load_error = f"the model could not be loaded ({type(e).__name__}: {e})"
+
+    def not_ready(self) -> ApiError:
+        """The answer while there is no model: loading (503), or it could not be loaded (500)."""
+        if self.load_error:
+            return ApiError(500, f"the model could not be loaded: {self.load_error}", kind="server_error")
+        return ApiError(503, "Loading model", kind="unavailable_error")
+
+    def _conversation(self, policy, evict: str | None) -> Conversation:
+        return Session(self.model, policy, self.cfg.settings).conversation(evict=evict)
+
+    # -- chat -------------------------------------------------------------------------------------
+    def chat(self, messages: list[dict], req: Ask, on_text: Callable[[str], None] | None,
+             cancelled: Callable[[], bool]) -> Result:  # fmt: skip
+        if self.model.chat_template is None:
+            raise ApiError(400, f"{self.model.path.name} has no chat template: use /v1/completions")
+        try:  # a policy the chat modes cannot run is refused here
+            key = slot_key(req.policy, evict_mode(self.cfg.evict, req.policy))
+            slot, new = self.slot_table.pick(messages, key, req.conversation_id,
+                                             lambda: self._conversation(req.policy, self.cfg.evict))  # fmt: skip
+        except KvliteError as e:
+            raise ApiError(400, str(e)) from None
+        conv = slot.conversation
+        runner = conv.runner
+        runner.use_sampling(req.sampling)
+        before = runner.mark()
+        stops = StopFilter(req.stop)
+        with runner.cache.peak_within() as peak:  # this request's peak; max_cells stays the slot's
+            try:
+                reply, stopped = conv.turn(new, req.n_predict, stops.around(on_text),
+                                           lambda: cancelled() or stops.hit, progress=False)  # fmt: skip
+            except KvliteError as e:
+                raise ApiError(400, str(e)) from None
+            finally:
+                self.slot_table.used(slot)
+        stops.finish(on_text)
+        text = stops.cut(reply)
+        if stops.hit:
+            stopped = "stop"
+            conv.amend_reply(text)
+        generated = runner.timings.decode_tokens - before.timings.decode_tokens
+        prompt_tokens = runner.cache.n_pos - generated  # every reply token is decoded into the cache
+        prefilled = runner.timings.prefill_tokens - before.timings.prefill_tokens
+        info = report(repr(runner.policy), runner.cache_report(0, before), runner.timings_since(before), prompt_tokens,
+                      prefilled, peak[0], slot=slot.id, conversation_id=slot.conversation_id, evict=conv.evict,
+                      cap=conv.cap)  # fmt: skip
+        return Result(text, finish_reason(stopped), prompt_tokens, generated, info)
+
+    # -- completions ------------------------------------------------------------------------------
+    def complete(self, prompt: str, req: Ask, on_text: Callable[[str], None] | None,
+                 cancelled: Callable[[], bool]) -> Result:  # fmt: skip
+        """A prompt on a fresh cache (no slot: completions carry no conversation). Its context is
+        bounded as a slot's is (-c, else a chat's; chunked mode: budget + chunk), not sized to
+        whatever prompt arrives."""
+        settings = dataclasses.replace(self.cfg.settings, sampling=req.sampling,
+                                       n_ctx=chat_ctx(self.cfg.settings.n_ctx, req.policy))  # fmt: skip
+        stops = StopFilter(req.stop)
+        try:
+            session = Session(self.model, req.policy, settings)
+            g = session.generate(prompt, req.n_predict, on_text=stops.around(on_text),
+                                 interrupted=lambda: cancelled() or stops.hit)  # fmt: skip
+        except KvliteError as e:
+            raise ApiError(400, str(e)) from None
+        stops.finish(on_text)
+        info = report(repr(req.policy), g.cache, g.timings, g.prompt_tokens, g.prompt_tokens, g.cache["max_cells"])
+        return Result(stops.cut(g.text), "stop" if stops.hit else finish_reason(g.stopped), g.prompt_tokens,
+                      g.generated_tokens, info)  # fmt: skip
+
+    # -- slot files -------------------------------------------------------------------------------
+    def _slot_file(self, filename: Any) -> pathlib.Path:
+        if self.cfg.slot_save_path is None:
+            raise ApiError(400, "slot files are off: start the server with --slot-save-path DIR")
+        return pathlib.Path(self.cfg.slot_save_path) / parse_filename(filename)
+
+    def save_slot(self, slot_id: int, filename: Any) -> dict:
+        """The slot's conversation to a file: llama.cpp's state blob of its sequence and what kvlite
+        knows beside it (which positions are resident, the messages, the policy)."""
+        slot, path = self.slot_table[slot_id], self._slot_file(filename)
+        if slot.conversation is None or not slot.conversation.messages:
+            raise ApiError(400, f"slot {slot_id} holds no conversation")
+        t0 = time.perf_counter()
+        n = write_slot_file(path, slot, self.model)
+        ms = (time.perf_counter() - t0) * 1000
+        return {"id_slot": slot_id, "filename": path.name, "n_saved": n, "n_written": path.stat().st_size,
+                "timings": {"save_ms": ms}}  # fmt: skip
+
+    def restore_slot(self, slot_id: int, filename: Any) -> dict:
+        slot, path = self.slot_table[slot_id], self._slot_file(filename)
+        t0 = time.perf_counter()
+        saved = read_slot_file(path, self.cfg.slot_save_path, self.model)
+        meta = saved.meta
+        try:
+            policy = make_policy(meta["policy"], **meta["params"])
+            conv = self._conversation(policy, meta["evict"])
+            here = cache_layout(conv.runner.ctx)
+            if meta["cache"] != here:  # llama.cpp would load a rotated cache into an unrotated one without a word
+                conv.runner.close()
+                raise ApiError(400, f"{path.name} holds a {describe_layout(meta['cache'])} cache; this server's is "
+                               f"{describe_layout(here)}")  # fmt: skip
+            snap = saved.snapshot(conv.runner.cache.hidden_layer)
+            conv.resume(snap, meta["messages"], meta["rendered"], meta["evicted"])
+        except (KvliteError, KeyError, TypeError, ValueError) as e:
+            raise ApiError(400, f"{path.name} cannot be restored: {e}") from None
+        slot.hold(conv, slot_key(policy, conv.evict), meta["conversation_id"])
+        slot.last_used = time.time()
+        ms = (time.perf_counter() - t0) * 1000
+        return {"id_slot": slot_id, "filename": path.name, "n_restored": len(snap.tokens),
+                "n_read": path.stat().st_size, "timings": {"restore_ms": ms}}  # fmt: skip
+
+    def erase_slot(self, slot_id: int) -> dict:
+        slot = self.slot_table[slot_id]
+        n = slot.conversation.runner.cache.n_pos if slot.conversation else 0
+        if slot.conversation is not None:
+            slot.conversation.reset()
+        slot.conversation_id = None
+        return {"id_slot": slot_id, "n_erased": n}
+
+    def close(self) -> None:
+        """Stop: the running generation ends at its next token (a shutdown does not wait out a
+        long reply), the queued ones never start, the slots' contexts are freed."""
+        self.stopping = True
+        self.admission.close()
+        self.slot_table.close()
