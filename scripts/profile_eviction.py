@@ -1,0 +1,91 @@
+"""Where one eviction's time goes: the prompt is read without evicting, then one eviction runs under
+cProfile and its time is split by part (the lookahead's decoding on the workspace, the score
+kernel, the smoothing, the key reads from llama.cpp's state, compaction, ...), beside the prefill's
+time. Run it alone on the machine: the prefill and the kernels share the cores.
+
+usage: python scripts/profile_eviction.py [--tokens 8192] [--policies echokv,laq] [--budget 512]
+       [-m MODEL] [-t THREADS] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pathlib
+import pstats
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from bench_memory import prose_tokens  # noqa: E402
+
+from kvlite.engine import Model  # noqa: E402
+from kvlite.models import resolve_model  # noqa: E402
+from kvlite.policies import make_policy  # noqa: E402
+from kvlite.runner import Runner  # noqa: E402
+from kvlite.settings import RunSettings, plan_context  # noqa: E402
+
+# (file, function) whose cumulative time is the part; ("native.py", "attn_pool") counts its own time
+# only, which is the C kernel (its Python checks are microseconds)
+PARTS = {
+    "lookahead decode (llama.cpp, workspace)": ("cache.py", "workspace_decode", "cum"),
+    "score kernel (attn_pool, C)": ("native.py", "attn_pool", "own"),
+    "max-pool smoothing": ("native.py", "max_smooth", "cum"),
+    "key reads (state file)": ("cache.py", "cached_kv", "cum"),
+    "key layers read": ("kvstate.py", "_read", "cum"),
+    "compaction": ("runner.py", "_compact", "cum"),
+    "captured queries": ("capture.py", "take", "cum"),
+    "proposals (RoPE)": ("proposals.py", "proposals", "cum"),
+    "aggregation": ("aggregate.py", "aggregate", "cum"),
+}
+
+
+def profile(model: Model, tokens: list[int], name: str, budget: int, threads: int) -> dict:
+    policy = make_policy(name, budget=budget)
+    n_ctx, chunk = plan_context(policy, 0, len(tokens), 2, 512)
+    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, n_threads=threads))
+    try:
+        t0 = time.perf_counter()
+        runner.feed(tokens, evict=False)
+        t1 = time.perf_counter()
+        prof = cProfile.Profile()
+        prof.enable()
+        runner.evict()
+        prof.disable()
+        t2 = time.perf_counter()
+    finally:
+        runner.close()
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (cc, nc, own, cumulative, callers)
+    parts = {}
+    for part, (file, fn, kind) in PARTS.items():
+        parts[part] = sum(v[3 if kind == "cum" else 2] for k, v in stats.items() if k[2] == fn and k[0].endswith(file))
+    parts["the rest (Python, selection, masks)"] = (t2 - t1) - sum(parts.values())
+    return dict(policy=name, tokens=len(tokens), budget=budget, prefill_s=t1 - t0, evict_s=t2 - t1, parts=parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--policies", default="echokv,laq")
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    model = Model(resolve_model(args.model))
+    tokens = prose_tokens(model, args.tokens)
+    for name in args.policies.split(","):
+        r = profile(model, tokens, name, args.budget, args.threads)
+        if args.json:
+            print(json.dumps(r), flush=True)
+            continue
+        share = 100 * r["evict_s"] / r["prefill_s"]
+        print(f"{name} at {r['tokens']} tokens, budget {r['budget']}: prefill {r['prefill_s']:.1f} s, "
+              f"eviction {r['evict_s']:.2f} s ({share:.1f}% of the prefill)")  # fmt: skip
+        for part, s in r["parts"].items():
+            print(f"  {part:40s} {s:6.2f} s  {100 * s / r['evict_s']:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
