@@ -379,7 +379,12 @@ def small_test_section(records: list[dict]) -> str:
     budgets = sorted({b for length in (2048, 4096) for b in small_budgets(length)})
     pairs = [(after, laq), (e, laq), (after, e), (after, "streaming")]
     group = lambda r: f"{r['model']} · {length_of(r)}"  # noqa: E731
-    return (pooled_table(records, [SMALL, "1%"]) + "\nPaired differences (** where the interval excludes 0):\n\n"
+    status = (
+        f"A stage is complete at {3 * N['smol']} samples (SmolLM2) or {3 * N['qwen']} (Qwen2.5-Coder-0.5B) a "
+        "length; the n below says how far each has run, and nothing is concluded from one before it is.\n\n"
+    )
+    return (status + pooled_table(records, [SMALL, "1%"])
+            + "\nPaired differences (** where the interval excludes 0):\n\n"
             + report.compare_markdown(records, pairs, budgets, group, label))  # fmt: skip
 
 
