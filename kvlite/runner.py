@@ -14,7 +14,7 @@ from .errors import KvliteError
 from .policies import FullKV, Policy
 from .policies.observe import Observation
 from .selection import protected_positions, select_keep
-from .settings import RunSettings, plan_context  # noqa: F401 - plan_context: kvlite.runner's API
+from .settings import RunSettings
 
 SPLIT_OBSERVED = 64  # a chunk's observed tail gets its own batch when this many tokens precede it
 

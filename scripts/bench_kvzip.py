@@ -19,7 +19,8 @@ from kvlite.engine import Model  # noqa: E402
 from kvlite.haystack import haystack  # noqa: E402
 from kvlite.models import default_model_path  # noqa: E402
 from kvlite.policies import KVzip, make_policy  # noqa: E402
-from kvlite.runner import Runner, RunSettings, plan_context  # noqa: E402
+from kvlite.runner import Runner  # noqa: E402
+from kvlite.settings import RunSettings, plan_context  # noqa: E402
 
 
 def main() -> int:

@@ -23,7 +23,8 @@ import time
 from kvlite.engine import Model
 from kvlite.models import default_model_path
 from kvlite.policies import make_policy
-from kvlite.runner import Runner, RunSettings, plan_context
+from kvlite.runner import Runner
+from kvlite.settings import RunSettings, plan_context
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_memory import generate_peak, prose_tokens  # noqa: E402

@@ -56,7 +56,8 @@ def test_needle_at_budget_128(gemma, policy, answers):
     """The code stated once at 20% depth of ~1.1K tokens: the full cache answers it, and so do the
     lookahead policies from 128 cells of the global layers; a recency window cannot. The kept cells
     hold the code's digits wherever the answer holds it."""
-    from kvlite.runner import Runner, RunSettings, plan_context
+    from kvlite.runner import Runner
+    from kvlite.settings import RunSettings, plan_context
 
     tokens = gemma.tokenize(needle_prompt(14, 0.2, NEEDLE, QUESTION) + CUE, parse_special=False)
     pol = kvlite.make_policy(policy, budget=None if policy == "full" else 128)

@@ -9,7 +9,8 @@ import pytest
 from kvlite.errors import KvliteError
 from kvlite.native import COUNTER_CAUSAL_ARCHS
 from kvlite.policies import POLICIES, make_policy
-from kvlite.runner import Runner, RunSettings, plan_context
+from kvlite.runner import Runner
+from kvlite.settings import RunSettings, plan_context
 
 SCORED = [name for name in POLICIES if name not in ("full", "streaming")]
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from kvlite.policies import make_policy
-from kvlite.runner import Runner, RunSettings, plan_context
+from kvlite.runner import Runner
+from kvlite.settings import RunSettings, plan_context
 
 
 def _run(model, n_prompt, budget, chunk, n_predict, sinks=4):

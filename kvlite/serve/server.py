@@ -186,11 +186,11 @@ class Server:
         if stops.hit:
             stopped = "stop"
             conv.amend_reply(text)
-        generated = runner.timings.decode_tokens - before.timings.decode_tokens
+        t = runner.timings_since(before)
+        generated = t["decode_tokens"]
         prompt_tokens = runner.cache.n_pos - generated  # every reply token is decoded into the cache
-        prefilled = runner.timings.prefill_tokens - before.timings.prefill_tokens
-        info = report(repr(runner.policy), runner.cache_report(0, before), runner.timings_since(before), prompt_tokens,
-                      prefilled, peak[0], slot=slot.id, conversation_id=slot.conversation_id, evict=conv.evict,
+        info = report(repr(runner.policy), runner.cache_report(0, before), t, prompt_tokens, t["prefill_tokens"],
+                      peak[0], slot=slot.id, conversation_id=slot.conversation_id, evict=conv.evict,
                       cap=conv.cap)  # fmt: skip
         return Result(text, finish_reason(stopped), prompt_tokens, generated, info)
 
