@@ -124,15 +124,38 @@ def stages(quick: bool = False) -> list[Stage]:
     out += [stage(f"small-test-{m}-{length}", MODELS[m], TASKS, length, N[m], "test", small_test_policies(),
                   small_budgets(length)) for m in ("smol", "qwen") for length in (2048, 4096)]  # fmt: skip
     # Issue 26: quantized caches under eviction, each sample read once per cache type, paired with f16
-    out += [stage(f"kv-test-{m}-{length}", MODELS[m], TASKS, length, n, "test", kv_type_policies(), BUDGETS,
+    out += [stage(f"kv-test-{m}-{length}", MODELS[m], TASKS, length, n, "test", paired_policies(), BUDGETS,
                   kv_types=KV_TYPES) for m, length, n in (("smol", 4096, 8), ("qwen", 2048, 4))]  # fmt: skip
+    # Issue 29: a second prompt shape, the document then its question as a user pastes them into one
+    # chat turn, the same samples' facts as test-smol-2048's (whose cells are the task shape's) ...
+    out.append(stage("shape-test-smol-2048", smol, [PASTE + t for t in TASKS], 2048, N["smol"], "test",
+                     paired_policies(), BUDGETS))  # fmt: skip
+    # ... and where users need eviction: Qwen at 16K and 32K tokens, 1% and 2% budgets
+    out += [stage(f"long-test-qwen-{length}", qwen, TASKS, length, N["qwen"], "test", long_policies(length),
+                  long_budgets(length)) for length in LONG]  # fmt: skip
     return out
 
 
 KV_TYPES = ["f16", "q8_0", "q4_0"]
+PASTE = "paste-"  # kvlite.eval.tasks.PASTE: the document and its question only
+LONG = [16384, 32768]
 
 
-def kv_type_policies() -> list[str]:
+def long_budgets(length: int) -> list[int]:
+    return [length // 100, length // 50]
+
+
+def long_policies(length: int) -> list[str]:
+    """The prefill-end policies, and EchoKV and LAQ in chunked mode with a cache of the same size (J
+    = the budget; a refresh every h = length/128 tokens, under J at both budgets, so the cache holds
+    J + h while it reads)."""
+    e = echokv_spec()
+    chunked = [f"{p[:-1]},mode=chunked,h={length // 128})" for p in (e, laq_spec(e))]
+    return ["full", "streaming", "snapkv", laq_spec(e), e, "kvzip", *chunked]
+
+
+def paired_policies() -> list[str]:
+    """The full cache, LAQ and EchoKV as picked: the cells a paired comparison of the two needs."""
     e = echokv_spec()
     return ["full", laq_spec(e), e]
 
@@ -185,7 +208,10 @@ def records_of(out: pathlib.Path, prefix: str) -> list[dict]:
 def label(spec: str) -> str:
     """The test grid's explicit EchoKV and LAQ specs read as their names in the tables."""
     e = echokv_spec()
-    return {e: "echokv", laq_spec(e): "laq", small_test_policies()[-1]: "echokv, kernel by budget"}.get(spec, spec)
+    names = {e: "echokv", laq_spec(e): "laq", small_test_policies()[-1]: "echokv, kernel by budget"}
+    for length in LONG:
+        names.update(zip(long_policies(length)[-2:], ("echokv, chunked", "laq, chunked")))
+    return names.get(spec, spec)
 
 
 def length_of(r: dict) -> int:
@@ -195,7 +221,7 @@ def length_of(r: dict) -> int:
 def pooled_table(records: list[dict], budgets: list[int | str] | None = None) -> str:
     """Per model and length: policies as rows, budgets as columns, the score averaged over tasks and
     samples with its 95% bootstrap interval (resampling samples). budgets: the columns (default:
-    BUDGETS; "1%" heads a column of each length's hundredth)."""
+    BUDGETS; "1%" heads a column of each length's hundredth, "2%" of its fiftieth)."""
     budgets = budgets or BUDGETS
     by: dict = defaultdict(lambda: defaultdict(list))
     for r in records:
@@ -207,7 +233,7 @@ def pooled_table(records: list[dict], budgets: list[int | str] | None = None) ->
         n = len(full)
         head = f"**{model} · {length} tokens** (n = {n} samples over {len(TASKS)} tasks"
         head += f"; full cache {stats.bootstrap_mean(full).fmt()})\n" if full else ")\n"
-        cols = [length // 100 if b == "1%" else b for b in budgets]
+        cols = [length * int(b[:-1]) // 100 if isinstance(b, str) else b for b in budgets]
         out += [head, "| policy | " + " | ".join(map(str, budgets)) + " |", "|---|" + "---|" * len(budgets)]
         for policy in dict.fromkeys(p for p, _ in cells if p != "full"):
             row = []
@@ -388,6 +414,38 @@ def small_test_section(records: list[dict]) -> str:
             + report.compare_markdown(records, pairs, budgets, group, label))  # fmt: skip
 
 
+def shape_section(own: list[dict], paste: list[dict]) -> str:
+    """Issue 29: EchoKV against LAQ in both prompt shapes, paired by sample within each shape (the
+    task's own shape from test-smol-2048, the paste shape from shape-test-smol-2048)."""
+    e, laq = echokv_spec(), laq_spec(echokv_spec())
+    keep = {"full", e, laq}
+    rows = [{**r, "model": f"{r['model']} · {'paste' if PASTE in r['task'] else 'task'} shape"}
+            for r in own + paste if r["policy"] in keep and length_of(r) == 2048]  # fmt: skip
+    pairs = [(e, laq), (e, "full"), (laq, "full")]
+    return (pooled_table(rows) + "\nPaired differences (** where the interval excludes 0):\n\n"
+            + report.compare_markdown(rows, pairs, BUDGETS, lambda r: r["model"], label))  # fmt: skip
+
+
+def long_section(records: list[dict]) -> str:
+    """Issue 29: Qwen at 16K and 32K tokens, 1% and 2% budgets: every policy against the full cache,
+    and EchoKV against the others, paired by sample; the evidence each kept."""
+    e, laq = echokv_spec(), laq_spec(echokv_spec())
+    budgets = sorted({b for length in LONG for b in long_budgets(length)})
+    pairs = [(p, "full") for p in ("streaming", "snapkv", laq, e, "kvzip")]
+    pairs += [(e, laq), (e, "snapkv"), (e, "kvzip")]
+    out = [pooled_table(records, ["1%", "2%"]), "Paired differences (** where the interval excludes 0):\n"]
+    out.append(report.compare_markdown(records, pairs, budgets, lambda r: f"{r['model']} · {length_of(r)}", label))
+    for length in LONG:  # the chunked specs differ by length (h), so each length pairs its own
+        rs = [r for r in records if length_of(r) == length]
+        ce, cl = long_policies(length)[-2:]
+        if rs:
+            out.append(report.compare_markdown(rs, [(ce, "full"), (cl, "full"), (ce, cl), (ce, e)],
+                                               long_budgets(length), lambda r: f"{r['model']} · {length_of(r)}",
+                                               label))  # fmt: skip
+    out += ["\nFidelity and the evidence kept:\n", fidelity_table(records)]
+    return "\n".join(out)
+
+
 def kv_type_section(records: list[dict]) -> str:
     """Issue 26: each policy with an f16, q8_0 and q4_0 cache (K and V alike), and what quantizing
     costs on top of evicting: the difference against f16 paired by sample (the same prompt read
@@ -524,6 +582,8 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     small = records_of(out, "tune-small-")
     small_test = records_of(out, "small-test-")
     kv_test = records_of(out, "kv-test-")
+    shape_test = records_of(out, "shape-test-")
+    long_test = records_of(out, "long-test-")
     images = []
     evo = next((r for r in decode if r.get("evolution") and r["policy"].startswith("cc(")), None)
     evo = evo or next((r for r in decode if r.get("evolution")), None)
@@ -562,6 +622,16 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "ones, as llama.cpp needs), the same samples for every type. `x - f16`: the score with that cache "
         "minus the f16 cache's, paired by sample, with its 95% interval (** where it excludes 0).\n",
         kv_type_section(kv_test) if kv_test else "(not run yet)\n",
+        "\n## Two prompt shapes (test split, issue 29)\n",
+        "The task's own shape opens with instructions and ends with the question; the paste shape is the same "
+        "document and question only, as a user pastes them into one chat turn (`kvlite generate --chat -f "
+        "doc.txt`): the same facts and codes, sample by sample. SmolLM2, 2K tokens.\n",
+        shape_section(test, shape_test) if shape_test else "(not run yet)\n",
+        "\n## Long prompts: 16K and 32K tokens at 1% and 2% (test split, issue 29)\n",
+        "Qwen2.5-Coder-0.5B. Chunked cells read the prompt themselves with a cache of the budget's size (J = the "
+        "budget, a refresh every h = length/128 tokens); the defaults are the tune split's, not retuned here. A "
+        f"length is complete at {3 * N['qwen']} samples.\n",
+        long_section(long_test) if long_test else "(not run yet)\n",
         "\n## Protecting the question (tune split, prefill-end)\n",
         protect_table(records_of(out, "tune-protect")),
         "\n## Decode-heavy: list recall in chunked mode\n",

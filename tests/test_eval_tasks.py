@@ -98,3 +98,22 @@ def test_recall_scores_the_share_of_values_restated():
     (s,) = tasks.generate("recall", 1, 1024, count, seed=4)
     assert len(s.answers) == 6 and s.metric == "contains_share"
     assert metrics.score(s.metric, " ".join(s.answers[:3]), s.answers) == 0.5
+
+
+@pytest.mark.parametrize("task", ["single", "multikey", "twohop"])
+def test_paste_shape_is_the_same_document_and_question_without_the_instructions(task):
+    own, paste = tasks.generate(task, 2, 1024, count, split="test"), tasks.generate(f"paste-{task}", 2, 1024, count,
+                                                                                      split="test")  # fmt: skip
+    for a, b in zip(own, paste):
+        assert b.task == f"test:paste-{task}/1024" and b.answers == a.answers
+        head = a.prompt.split("\n\n", 1)[0]  # the task's instructions, before the document
+        assert not b.prompt.startswith(head) and head not in b.prompt
+        assert [a.prompt[x:y] for x, y in a.evidence] == [b.prompt[x:y] for x, y in b.evidence]
+        assert b.prompt[b.question[0] :] == a.prompt[a.question[0] :]  # the same closing question
+        assert 0.9 * 1024 <= count(b.prompt) <= 1.1 * 1024
+
+
+def test_paste_shape_of_a_conversation_or_unknown_task_is_refused():
+    for bad in ("paste-chat", "paste-nope", "nope"):
+        with pytest.raises(KvliteError, match="unknown task"):
+            tasks.generate(bad, 1, 1024, count)

@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
         "--tasks",
         type=_names,
         default=None,
-        help=f"generated tasks: {', '.join(TASKS)} (default single,multikey,twohop unless --data)",
+        help=f"generated tasks: {', '.join(TASKS)} (default single,multikey,twohop unless --data); paste-single "
+        "and the like: the same document and question without the task's instructions, as a user pastes them",
     )
     p.add_argument("--lengths", type=_ints, default=None, help="prompt lengths in tokens (default 1024)")
     p.add_argument("-n", type=int, default=None, help="samples per task and length (default 4)")

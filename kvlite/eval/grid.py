@@ -128,8 +128,7 @@ class GridConfig:
         if self.tasks is None:
             self.tasks = [] if self.data else list(DEFAULT_TASKS)
         for t in self.tasks:
-            if t not in tasks.TASKS:
-                raise KvliteError(f"unknown task '{t}': choose from {', '.join(tasks.TASKS)}")
+            tasks.task_kind(t)
         if self.tasks and not self.lengths:
             raise KvliteError("--lengths names no length for the generated tasks")
         if self.tasks and not self.n:

@@ -135,12 +135,16 @@ class Builder:
     """Fills a prompt with haystack paragraphs up to a target length in tokens and places
     statements at depths (0 = start, 1 = end), recording where each statement lands."""
 
-    def __init__(self, count_tokens: Callable[[str], int], rng: random.Random, phrasing: Phrasing = TUNE):
+    def __init__(self, count_tokens: Callable[[str], int], rng: random.Random, phrasing: Phrasing = TUNE,
+                 paste: bool = False):  # fmt: skip
+        """paste: the document and the closing question only, no instructions before the document."""
         self.count = count_tokens
         self.rng = rng
         self.p = phrasing
+        self.paste = paste
 
     def build(self, head: str, statements: list[tuple[float, str]], tail: str, target: int) -> tuple[str, list]:
+        head = "" if self.paste else head
         pool = SOURCES[self.p.source](400)
         start = self.rng.randrange(len(pool))
         budget = target - self.count(head + tail + " ".join(s for _, s in statements)) - 16
@@ -159,7 +163,7 @@ class Builder:
         slots = sorted(((round(depth * len(paras)), i) for i, (depth, _) in enumerate(statements)), reverse=True)
         for at, i in slots:  # later slots first, so earlier indices stay valid
             paras.insert(at, statements[i][1])
-        text = head + "\n\n" + "\n\n".join(paras) + "\n\n" + tail
+        text = (head + "\n\n" if head else "") + "\n\n".join(paras) + "\n\n" + tail
         spans = []
         for _, s in statements:
             at = text.index(s)
@@ -294,6 +298,22 @@ TASKS: dict[str, TaskKind] = {
 }
 
 
+# The second prompt shape (issue 29): a task's document then its question, as a user pastes both
+# into one chat turn (`kvlite generate --chat -f doc.txt`), without the instructions the task's own
+# shape opens with. "paste-single" is "single" in that shape: the same facts, codes and prose.
+PASTE = "paste-"
+
+
+def task_kind(task: str) -> tuple[TaskKind, bool]:
+    """A task name's kind and whether it is in the paste shape; a one-line error for an unknown name."""
+    base = task.removeprefix(PASTE)
+    kind = TASKS.get(base)
+    if kind is None or (base != task and kind.multi_turn):
+        names = [*TASKS, *(PASTE + t for t, k in TASKS.items() if not k.multi_turn)]
+        raise KvliteError(f"unknown task '{task}': choose from {', '.join(names)}")
+    return kind, base != task
+
+
 def task_label(task: str, length: int, split: str = "tune") -> str:
     """single/2048 on the tune split (as before splits existed), test:single/2048 on the test split."""
     return f"{task}/{length}" if split == "tune" else f"{split}:{task}/{length}"
@@ -314,9 +334,7 @@ def generate(
     """n samples of a task at about `length` prompt tokens, from a split's prose and phrasing. depth
     None: drawn from [0.1, 0.9]. Sample i is the same whatever n is, so grids of different sizes
     share their first samples."""
-    kind = TASKS.get(task)
-    if kind is None:
-        raise KvliteError(f"unknown task '{task}': choose from {', '.join(TASKS)}")
+    kind, paste = task_kind(task)
     if split not in PHRASINGS:
         raise KvliteError(f"unknown split '{split}': choose from {', '.join(PHRASINGS)}")
     if length < MIN_LENGTH:
@@ -326,9 +344,11 @@ def generate(
     out = []
     for i in range(n):
         # the tune split keeps the seeds it had before splits existed: its records stay valid
-        rng = random.Random(f"{seed}/{task}/{length}/{i}" + ("" if split == "tune" else f"/{split}"))
+        # (a paste-shaped sample draws what its task's own shape draws: the same facts and codes)
+        base = task.removeprefix(PASTE)
+        rng = random.Random(f"{seed}/{base}/{length}/{i}" + ("" if split == "tune" else f"/{split}"))
         d = depth if depth is not None else 0.1 + 0.8 * rng.random()
-        made = kind.make(Builder(count_tokens, rng, PHRASINGS[split]), length, d)
+        made = kind.make(Builder(count_tokens, rng, PHRASINGS[split], paste), length, d)
         text, answers, spans = made[:3]
         tail = text.rindex("\n\n") + 2  # every layout ends with its question after a blank line
         out.append(Sample(task_label(task, length, split), i, text, answers, kind.metric, kind.max_new_tokens, True,
