@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .cache import Snapshot
-from .engine import Model
+from .engine import Model, Pool
 from .engine.model import drop_prefix
 from .errors import KvliteError
 from .evict import asks_something, chat_ctx, evict_mode, make_room
@@ -43,12 +43,14 @@ class Session:
         policy: Policy | None = None,
         settings: RunSettings | None = None,
         n_gpu_layers: int | None = None,
+        pool: Pool | None = None,
         **overrides,
     ):
         """model: a GGUF path, a loaded Model, or None for the default (SmolLM2-135M-Instruct);
         settings: how to run it (RunSettings; n_ctx 0 = as needed, see runner.plan_context), or
         its fields as keywords (Session(policy=p, n_ctx=2048)); n_gpu_layers: -ngl when the model is
-        loaded here (None: all layers on a GPU build)."""
+        loaded here (None: all layers on a GPU build); pool: run every conversation and generation on
+        a lane of this shared context (engine.Pool) rather than on a context of its own."""
         try:
             self.settings = dataclasses.replace(settings or RunSettings(), **overrides)
         except TypeError:
@@ -57,11 +59,13 @@ class Session:
         self.model = model if isinstance(model, Model) else Model(resolve_model(model), n_gpu_layers=n_gpu_layers)
         self.policy = policy or FullKV()
         self.policy.validate()
+        self.pool = pool
         self._conversation: Conversation | None = None
 
     def _runner(self, n_ctx: int, n_tokens: int, n_predict: int) -> Runner:
         n_ctx, chunk = plan_context(self.policy, n_ctx, n_tokens, n_predict, self.settings.chunk)
-        return Runner(self.model, self.policy, dataclasses.replace(self.settings, n_ctx=n_ctx, chunk=chunk))
+        settings = dataclasses.replace(self.settings, n_ctx=n_ctx, chunk=chunk)
+        return Runner(self.model, self.policy, settings, pool=self.pool)
 
     def generate(
         self,

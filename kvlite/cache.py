@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .engine import LIVE, WORKSPACE, Context, cachetypes, kvstate
+from .engine import LIVE, WORKSPACE, Context, cachetypes, kvstate, lane_seqs
 from .errors import KvliteError
 from .models import ModelInfo
 from .native import native
@@ -125,14 +125,27 @@ def _stack(read, layers: Sequence[int]) -> np.ndarray:
 
 
 class KVCache:
-    def __init__(self, ctx: Context, hidden_layer: int | None = None):
+    def __init__(self, ctx: Context, hidden_layer: int | None = None, lane: int = 0):
         """hidden_layer: keep the residual stream after this layer (l_out) for every resident
         token, captured as tokens are decoded and evicted with them (counter-causal fast reads the
-        input of the last layer). The context's capture must request it."""
-        self.ctx = ctx
-        self.hidden_layer = hidden_layer
+        input of the last layer). The context's capture must request it.
+        lane: which of a pool's caches this is (Context(lanes=N)): its live and workspace sequences
+        are lane_seqs(lane), and the room it has is the pool's cells less every cache's."""
         if hidden_layer is not None and (ctx.capture is None or not ctx.capture.wants("hidden", hidden_layer)):
             raise KvliteError(f"keeping hidden states needs a context capturing ('hidden', {hidden_layer})")
+        if not 0 <= lane < ctx.lanes:
+            raise KvliteError(f"lane {lane} is not one of the context's {ctx.lanes}")
+        if ctx.lanes > 1 and any(c.lane == lane for c in ctx.caches):
+            raise KvliteError(f"lane {lane} already holds a cache")
+        self.ctx = ctx
+        self.lane = lane
+        self.seqs = lane_seqs(lane)  # indexed by LIVE and WORKSPACE
+        # a context of one cache: a new cache on it takes over from the one before (tests do that)
+        ctx.caches = [*(c for c in ctx.caches if ctx.lanes > 1), self]
+        self._init(hidden_layer)
+
+    def _init(self, hidden_layer: int | None) -> None:
+        self.hidden_layer = hidden_layer
         self.hidden: np.ndarray | None = None  # [n_resident, n_embd], rows in position order
         self.tokens: list[int] = []  # every token of the live sequence, by position
         self._live = np.zeros(0, dtype=bool)  # resident flag, by position
@@ -152,7 +165,13 @@ class KVCache:
     def n_resident(self) -> int:
         return int(self._live.sum())
 
+    @property
+    def n_cells(self) -> int:
+        """Cells this cache holds in the context: its resident positions and the workspace's own."""
+        return self.n_resident + len(self._ws_tokens)
+
     def positions(self, seq_id: int = LIVE) -> np.ndarray:
+        """The positions kvlite holds resident on the live sequence (LIVE) or the workspace view."""
         if seq_id == LIVE:
             return np.flatnonzero(self._live)
         ws = np.flatnonzero(self._ws_prompt)
@@ -178,17 +197,20 @@ class KVCache:
     def _live_file(self, purpose: str) -> kvstate.StateFile:
         if self.workspace_active:
             raise KvliteError(f"drop the workspace before {purpose}")
-        return self.ctx.state_open(LIVE)
+        return self.ctx.state_open(self.seqs[LIVE])
 
     def llama_positions(self, seq_id: int) -> np.ndarray:
-        """The positions llama.cpp itself holds for a sequence, read from its state export."""
-        return kvstate.parse(self.ctx.state_get(seq_id)).positions()
+        """The positions llama.cpp itself holds for the live sequence (LIVE) or the workspace, read
+        from its state export."""
+        return kvstate.parse(self.ctx.state_get(self.seqs[seq_id])).positions()
 
-    def _cells(self) -> int:
-        return self.n_resident + len(self._ws_tokens)
+    @property
+    def free(self) -> int:
+        """Cells free in the context (a pool's: less every cache's)."""
+        return self.ctx.n_ctx - self.ctx.cells_in_use()
 
     def _note_cells(self) -> None:
-        self.max_cells = max(self.max_cells, self._cells())
+        self.max_cells = max(self.max_cells, self.n_cells)
 
     # -- live sequence --------------------------------------------------------------------------
     def append(self, tokens: Sequence[int], logits: str = "last") -> None:
@@ -197,15 +219,19 @@ class KVCache:
             raise KvliteError("drop the workspace before extending the live sequence")
         if not tokens:
             return
-        free = self.ctx.n_ctx - self._cells()
+        free = self.free
         if len(tokens) > free:
+            if self.ctx.lanes > 1:
+                raise KvliteError(f"the pool has room for {free} more tokens, {len(tokens)} were fed: other "
+                                  f"conversations hold {self.ctx.cells_in_use() - self.n_cells} of its "
+                                  f"{self.ctx.n_ctx} cells (--kv-cells)")  # fmt: skip
             raise KvliteError(
                 f"the context has room for {free} more tokens, {len(tokens)} were fed: "
                 f"raise -c (now {self.ctx.n_ctx}) or use an evicting policy"
             )
         start = self.n_pos
         positions = range(start, start + len(tokens))
-        self.ctx.decode(tokens, positions, LIVE, logits)
+        self.ctx.decode(tokens, positions, self.seqs[LIVE], logits)
         if self.hidden_layer is not None:
             rows = self.ctx.capture.take("hidden", self.hidden_layer)
             self.hidden = rows if self.hidden is None else np.concatenate([self.hidden, rows])
@@ -234,7 +260,7 @@ class KVCache:
         resident = self.positions(LIVE)
         drop = ~keep_mask[resident]
         for lo, hi in runs(np.flatnonzero(drop)):
-            self.ctx.seq_rm(LIVE, int(resident[lo]), int(resident[hi - 1]) + 1)
+            self.ctx.seq_rm(self.seqs[LIVE], int(resident[lo]), int(resident[hi - 1]) + 1)
         if self.hidden is not None:
             self.hidden = self.hidden[~drop]
         self._live[gone] = False
@@ -245,17 +271,19 @@ class KVCache:
         """Move the live cells to the front of the cell pool in position order, so the attended
         range (n_kv, the highest used cell rounded up) follows the resident count, not the history.
 
-        Exports the live sequence to a file, clears the pool and loads it back in position order, a
-        layer at a time. Cached values are copied bit for bit, so only the speed changes."""
+        Exports the live sequence to a file and loads it back in position order, a layer at a time.
+        Cached values are copied bit for bit, so only the speed changes. In a pool the cells go
+        where llama.cpp finds them free; other caches' cells do not move."""
+        live = self.seqs[LIVE]
         with self._live_file("compacting") as sf:
             try:
-                self.ctx.reload(sf.state(LIVE, by_position=True), LIVE)
+                self.ctx.reload(sf.state(live, by_position=True), live)
             except KvliteError:
-                self.ctx.clear()  # put back what was there: the cache stays consistent
-                self.ctx.state_set(kvstate.build(sf.state(LIVE)), LIVE)
+                self.ctx.seq_rm(live, -1, -1)  # put back what was there: the cache stays consistent
+                self.ctx.state_set(kvstate.build(sf.state(live)), live)
                 raise
 
-    # -- workspace view (sequence 1) --------------------------------------------------------------
+    # -- workspace view (the lane's second sequence) --------------------------------------------
     def workspace_create(self, keep: Iterable[int]) -> None:
         """A view of some live positions on the workspace sequence; the cells are shared, not copied."""
         if self.workspace_active:
@@ -272,7 +300,7 @@ class KVCache:
             raise KvliteError("the workspace can only view resident live positions")
         add = add[~self._ws_prompt[add]]
         for p0, p1 in runs(add):
-            self.ctx.seq_cp(LIVE, WORKSPACE, p0, p1)
+            self.ctx.seq_cp(self.seqs[LIVE], self.seqs[WORKSPACE], p0, p1)
         self._ws_prompt[add] = True
 
     def workspace_remove(self, positions: Iterable[int]) -> None:
@@ -281,7 +309,7 @@ class KVCache:
         rm = rm[(rm < self.n_pos)]
         rm = rm[self._ws_prompt[rm]]
         for p0, p1 in runs(rm):
-            self.ctx.seq_rm(WORKSPACE, p0, p1)
+            self.ctx.seq_rm(self.seqs[WORKSPACE], p0, p1)
         self._ws_prompt[rm] = False
 
     def workspace_decode(self, tokens: Sequence[int], logits: str = "last") -> None:
@@ -290,9 +318,9 @@ class KVCache:
         if not self._ws_prompt[self.n_pos - 1]:
             raise KvliteError("the workspace must view the last live position before decoding on it")
         start = self.n_pos + len(self._ws_tokens)
-        if len(tokens) > self.ctx.n_ctx - self._cells():
+        if len(tokens) > self.free:
             raise KvliteError("no room in the context for the lookahead tokens")
-        self.ctx.decode(tokens, range(start, start + len(tokens)), WORKSPACE, logits)
+        self.ctx.decode(tokens, range(start, start + len(tokens)), self.seqs[WORKSPACE], logits)
         if self.hidden_layer is not None:
             self.ctx.capture.take("hidden", self.hidden_layer)  # lookahead tokens never enter the live cache
         self._ws_tokens.extend(int(t) for t in tokens)
@@ -300,7 +328,7 @@ class KVCache:
 
     def workspace_drop(self) -> None:
         self._need_workspace()
-        self.ctx.seq_rm(WORKSPACE, -1, -1)
+        self.ctx.seq_rm(self.seqs[WORKSPACE], -1, -1)
         self._ws_prompt[:] = False
         self._ws_tokens = []
         self.workspace_active = False
@@ -316,7 +344,8 @@ class KVCache:
         if self.workspace_active:
             raise KvliteError("drop the workspace before taking a snapshot")
         hidden = None if self.hidden is None else self.hidden.copy()
-        return Snapshot(self.ctx.state_get(LIVE), tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer)
+        blob = self.ctx.state_get(self.seqs[LIVE])
+        return Snapshot(blob, tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer)
 
     def restore(self, snap: Snapshot, evicted: int = 0) -> None:
         """Replace the whole cache with a snapshot's live sequence. evicted: how many positions the
@@ -324,7 +353,9 @@ class KVCache:
         if self.hidden_layer is not None and snap.hidden_layer != self.hidden_layer:
             raise KvliteError(f"this cache keeps hidden states of layer {self.hidden_layer}; the snapshot does not")
         self.reset()
-        self.ctx.state_set(snap.blob, LIVE)
+        if len(snap.live) and int(snap.live.sum()) > self.free:
+            raise KvliteError(f"the snapshot holds {int(snap.live.sum())} cells; the context has {self.free} free")
+        self.ctx.state_set(snap.blob, self.seqs[LIVE])
         self.tokens = list(snap.tokens)
         self._live = snap.live.copy()
         self._ws_prompt = np.zeros_like(self._live)
@@ -345,8 +376,17 @@ class KVCache:
             self.max_cells = max(before, peak[0])
 
     def reset(self) -> None:
-        self.ctx.clear()
-        self.__init__(self.ctx, self.hidden_layer)
+        if self.ctx.lanes == 1:
+            self.ctx.clear()
+        else:  # only this cache's sequences: the pool's others stay
+            for seq in self.seqs:
+                self.ctx.seq_rm(seq, -1, -1)
+        self._init(self.hidden_layer)
+
+    def release(self) -> None:
+        """Free this cache's cells and its lane (a pool's conversation that ends)."""
+        self.reset()
+        self.ctx.caches.remove(self)
 
     def truncate(self, n_pos: int) -> None:
         """Forget every position from n_pos on (undo a partly fed turn). If eviction removed the
@@ -355,7 +395,7 @@ class KVCache:
             self.workspace_drop()
         if n_pos >= self.n_pos:
             return
-        self.ctx.seq_rm(LIVE, n_pos, -1)
+        self.ctx.seq_rm(self.seqs[LIVE], n_pos, -1)
         if self.hidden is not None:
             self.hidden = self.hidden[: int(self._live[:n_pos].sum())]
         below = np.flatnonzero(self._live[:n_pos])

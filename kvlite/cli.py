@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--slots", type=int, default=4, help="conversations whose compressed cache is kept (LRU)")
+    p.add_argument("--kv-cells", type=int, default=None, metavar="N",
+                   help="one pool of N KV cells that every slot's conversation shares (each then holds its budget, "
+                   "and -c is a conversation's cap); conversations that do not fit wait in host memory. Default: "
+                   "each slot a context of -c cells")  # fmt: skip
     p.add_argument("--queue", type=int, default=16, help="requests that may wait; more get a 503 with Retry-After")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
@@ -339,7 +343,8 @@ def cmd_serve(args) -> int:
                       params={name: getattr(args, name) for name in ALL_PARAMS}, settings=settings, evict=args.evict,
                       n_predict=args.n_predict, max_tokens=args.max_tokens, slots=args.slots, queue=args.queue,
                       api_key=args.api_key, n_gpu_layers=args.n_gpu_layers, extra_bufts=args.extra_bufts,
-                      model_alias=args.alias, slot_save_path=args.slot_save_path)  # fmt: skip
+                      model_alias=args.alias, slot_save_path=args.slot_save_path,
+                      kv_cells=args.kv_cells)  # fmt: skip
     return serve(cfg)
 
 

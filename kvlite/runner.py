@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .cache import KVCache, Snapshot
-from .engine import Capture, Context, Model, Sampler, SamplingParams
+from .engine import Capture, Context, Model, Pool, Sampler, SamplingParams
 from .errors import KvliteError
 from .policies import FullKV, Policy
 from .policies.observe import Observation
@@ -79,7 +79,10 @@ class Runner:
     returning True) stops between tokens or chunks, never inside llama.cpp, so the cache stays
     consistent. settings.n_ctx is the context as allocated (Session plans it; 0 is not allowed)."""
 
-    def __init__(self, model: Model, policy: Policy | None = None, settings: RunSettings | None = None):
+    def __init__(self, model: Model, policy: Policy | None = None, settings: RunSettings | None = None,
+                 pool: Pool | None = None):  # fmt: skip
+        """pool: run on a lane of this shared context (a server's conversations) instead of a context
+        of its own; settings.n_ctx is then this conversation's cap, the pool's cells its room."""
         settings = settings or RunSettings(n_ctx=4096)
         if not settings.n_ctx:
             raise KvliteError("a Runner needs a planned context size (plan_context)")
@@ -89,15 +92,27 @@ class Runner:
         self.policy.check_model(model.info)
         self.settings = settings
         self.chunk = settings.chunk
-        self.capture = self._capture_for(self.policy)
-        # The capture is switched on and off around the tokens whose queries the policy reads
-        # (a hidden-state capture stays on: every token's row is kept).
-        self.watches_queries = self.capture is not None and not self.policy.needs_hidden
-        self.ctx = Context(model, settings.n_ctx, n_batch=settings.chunk, n_threads=settings.n_threads,
-                           flash_attn=settings.flash_attn, type_k=settings.type_k, type_v=settings.type_v,
-                           capture=self.capture, swa_full=self.policy.lookahead_cells() > 0)  # fmt: skip
-        hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
-        self.cache = KVCache(self.ctx, hidden_layer=hidden_layer)
+        self.pool = pool
+        lane = pool.take() if pool is not None else 0
+        try:
+            self.capture = self._capture_for(self.policy, (lambda: pool.capture.view(lane)) if pool else None)
+            # The capture is switched on and off around the tokens whose queries the policy reads
+            # (a hidden-state capture stays on: every token's row is kept).
+            self.watches_queries = self.capture is not None and not self.policy.needs_hidden
+            if pool is None:
+                self.ctx = Context(model, settings.n_ctx, n_batch=settings.chunk, n_threads=settings.n_threads,
+                                   flash_attn=settings.flash_attn, type_k=settings.type_k, type_v=settings.type_v,
+                                   capture=self.capture, swa_full=self.policy.lookahead_cells() > 0)  # fmt: skip
+            else:
+                self.ctx = pool.ctx
+            hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
+            self.cache = KVCache(self.ctx, hidden_layer=hidden_layer, lane=lane)
+        except BaseException:
+            if pool is not None:
+                pool.give_back(lane)
+            raise
+        # the most cells the conversation may hold: its own context's, or its cap in a pool
+        self.cap = self.ctx.n_ctx if pool is None else settings.n_ctx
         self.observed: dict[str, np.ndarray] = {}  # queries of the last tokens fed, per kind [L, n, H, D]
         self.question: bool | None = None  # whether the tokens fed last end with a question (feed)
         self.sampler = Sampler(settings.sampling)
@@ -113,14 +128,15 @@ class Runner:
         self._next_logits: np.ndarray | None = None  # the prompt's own, when a lookahead overwrote llama.cpp's
         self._compact_due = False
 
-    def _capture_for(self, policy: Policy) -> Capture | None:
-        """Ask llama.cpp only for what the policy observes."""
+    def _capture_for(self, policy: Policy, make: Callable[[], Capture] | None = None) -> Capture | None:
+        """Ask llama.cpp only for what the policy observes. make: the capture to ask on (a pool
+        lane's view of the pool's; default a new one)."""
         n_layer = self.model.info.n_layer
         layers = self.model.info.full_layers  # scores read the layers that hold every cell
         wants_queries = policy.observed_tokens() > 0 or policy.lookahead_cells() > 0
         if not wants_queries and not policy.needs_hidden:
             return None
-        capture = Capture(self.model.info)
+        capture = make() if make else Capture(self.model.info)
         if policy.needs_hidden:
             capture.request("hidden", [n_layer - 2])  # always on: every token's row is kept
         if wants_queries:
@@ -148,7 +164,11 @@ class Runner:
 
     def close(self) -> None:
         self.sampler.close()
-        self.ctx.close()
+        if self.pool is None:
+            self.ctx.close()
+        elif self.cache in self.ctx.caches:  # its cells and its lane go back to the pool
+            self.cache.release()
+            self.pool.give_back(self.cache.lane)
 
     # -- eviction -------------------------------------------------------------------------------
     def observation(self) -> Observation:
@@ -296,7 +316,7 @@ class Runner:
                 if interrupted():
                     stopped = "interrupted"
                     break
-                if self.cache.n_resident >= self.ctx.n_ctx:
+                if self.cache.n_resident >= self.cap or self.cache.free <= 0:
                     stopped = "context full"
                     break
                 if self._next_logits is not None:
@@ -342,7 +362,7 @@ class Runner:
         layer_cells = len(info.full_layers) * cells + len(info.swa_layers) * min(cells, info.n_swa or cells)
         return {
             "budget": self.policy.budget,
-            "n_ctx": self.ctx.n_ctx,
+            "n_ctx": self.cap,
             "max_cells": self.cache.max_cells,
             "final_cells": self.cache.n_resident,
             "evicted": self.cache.evicted - since.evicted,

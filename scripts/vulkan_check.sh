@@ -58,9 +58,12 @@ tiny=$work/tiny.gguf
 grep -q "^kernels_on *Vulkan0" "$work/info.txt" || { echo "vulkan_check: the kernels are not on Vulkan0" >&2; exit 1; }
 
 step "parity and invariants on Vulkan0 (tests/device_tests.txt)"
+# From outside the tree: `python -m pytest` puts the working directory first on sys.path, and the
+# tree's kvlite would load build/'s native library, linked against the CPU build's ggml.
 # shellcheck disable=SC2046
-KVLITE_HYPOTHESIS_EXAMPLES="${KVLITE_HYPOTHESIS_EXAMPLES:-25}" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  -m "not slow" $(grep -v '^#' tests/device_tests.txt) "$@"
+(cd "$work" && KVLITE_HYPOTHESIS_EXAMPLES="${KVLITE_HYPOTHESIS_EXAMPLES:-25}" "$venv/bin/python" -m pytest -q \
+  -p no:cacheprovider --rootdir "$root" -c "$root/pyproject.toml" -m "not slow" \
+  $(grep -v '^#' "$root/tests/device_tests.txt" | sed "s|^|$root/|") "$@")
 
 step "against the CPU build (.venv)"
 "$root/.venv/bin/python" scripts/backend_parity.py --dump "$work/cpu.json"

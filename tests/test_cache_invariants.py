@@ -155,15 +155,37 @@ def test_random_operation_sequences_on_a_quantized_cache(wide_model, kv_type, op
     _run_ops(ctx, ops, seed, check_bytes)
 
 
+def apply_op(cache: KVCache, op: str, arg, rng: np.random.Generator) -> None:
+    """One of OPS on the cache (an op its state does not allow is skipped), positions drawn by rng."""
+
+    def sample(positions, share):
+        return [int(p) for p in positions if rng.random() < share]
+
+    live = cache.positions()
+    if op == "append" and not cache.workspace_active:
+        cache.append([int(t) for t in rng.integers(3, 300, size=arg)])
+    elif op == "evict":
+        cache.evict(sorted(set(sample(live, arg)) | {int(live[-1])}))
+    elif op == "compact" and not cache.workspace_active:
+        cache.compact()
+    elif op == "ws_create" and not cache.workspace_active:
+        cache.workspace_create(sample(live, arg) + [int(live[-1])])
+    elif op == "ws_add" and cache.workspace_active:
+        cache.workspace_add(sample(live, arg))
+    elif op == "ws_remove" and cache.workspace_active:
+        cache.workspace_remove(sample(live[:-1], arg))
+    elif op == "ws_decode" and cache.workspace_active:
+        cache.workspace_decode([int(t) for t in rng.integers(3, 300, size=arg)])
+    elif op == "ws_drop" and cache.workspace_active:
+        cache.workspace_drop()
+
+
 def _run_ops(ctx: Context, ops, seed: int, also=None) -> None:
     """Random cache operations on ctx, kvlite's residency checked against llama.cpp's after each
     (and also(cache), when given)."""
     rng = np.random.default_rng(seed)
     cache = KVCache(ctx)
     cache.append([int(t) for t in rng.integers(3, 300, size=8)])
-
-    def sample(positions, share):
-        return [int(p) for p in positions if rng.random() < share]
 
     def checks() -> None:
         check(cache)
@@ -172,23 +194,7 @@ def _run_ops(ctx: Context, ops, seed: int, also=None) -> None:
 
     checks()
     for op, arg in ops:
-        live = cache.positions()
-        if op == "append" and not cache.workspace_active:
-            cache.append([int(t) for t in rng.integers(3, 300, size=arg)])
-        elif op == "evict":
-            cache.evict(sorted(set(sample(live, arg)) | {int(live[-1])}))
-        elif op == "compact" and not cache.workspace_active:
-            cache.compact()
-        elif op == "ws_create" and not cache.workspace_active:
-            cache.workspace_create(sample(live, arg) + [int(live[-1])])
-        elif op == "ws_add" and cache.workspace_active:
-            cache.workspace_add(sample(live, arg))
-        elif op == "ws_remove" and cache.workspace_active:
-            cache.workspace_remove(sample(live[:-1], arg))
-        elif op == "ws_decode" and cache.workspace_active:
-            cache.workspace_decode([int(t) for t in rng.integers(3, 300, size=arg)])
-        elif op == "ws_drop" and cache.workspace_active:
-            cache.workspace_drop()
+        apply_op(cache, op, arg, rng)
         checks()
     if cache.workspace_active:
         cache.workspace_drop()

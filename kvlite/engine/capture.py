@@ -5,6 +5,7 @@ callback there slowed decoding down (docs/design.md, "Measured facts the code re
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import llama_cpp
@@ -109,3 +110,96 @@ class Capture:
             raise KeyError(f"nothing captured for {kind} of layer {layer}")
         axis = KINDS[kind][3]
         return parts if axis is None else np.concatenate(parts, axis=axis)
+
+    def activate(self, lane: int) -> None:
+        """A decode on `lane`'s sequences is about to run (Context.decode): nothing to switch here."""
+
+
+class PoolCapture(Capture):
+    """The one eval callback of a pool's context (Context(lanes=N)), shared by its caches: each lane
+    gets a LaneCapture with its own switch and its own records. Before a decode the context
+    activates the lane whose sequences it decodes: the callback takes that lane's switch, and the
+    records the previous lane had not taken yet are set aside for it (a chunked-mode lane keeps
+    the queries it observed for its next refresh while others decode)."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        super().__init__(info)
+        self.views: dict[int, LaneCapture] = {}
+        self.active: int | None = None
+        self.enabled = False  # a lane with no view (a policy that captures nothing) records nothing
+
+    def view(self, lane: int) -> LaneCapture:
+        self.views[lane] = LaneCapture(self, lane)
+        return self.views[lane]
+
+    def activate(self, lane: int) -> None:
+        if lane == self.active:
+            return
+        previous = self.views.get(self.active) if self.active is not None else None
+        if previous is not None:
+            for key, parts in self._records().items():
+                previous.stash.setdefault(key, []).extend(parts)
+        self.clear()
+        self.active = lane
+        view = self.views.get(lane)
+        self.enabled = view.on if view is not None else False
+
+
+class LaneCapture:
+    """One lane's capture in a pool (PoolCapture): what a Runner uses as its Capture."""
+
+    def __init__(self, pool: PoolCapture, lane: int) -> None:
+        self.pool, self.lane = pool, lane
+        self.on = True  # as a new Capture: recording until switched off
+        self.stash: dict[tuple[str, int], list[np.ndarray]] = {}  # records made while another lane was active
+
+    @property
+    def _live(self) -> bool:
+        return self.pool.active == self.lane
+
+    @property
+    def enabled(self) -> bool:
+        return self.on
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.on = bool(on)
+        if self._live:
+            self.pool.enabled = self.on
+
+    def request(self, kind: str, layers: Iterable[int]) -> None:
+        self.pool.request(kind, layers)
+
+    def wants(self, kind: str, layer: int) -> bool:
+        return self.pool.wants(kind, layer)
+
+    def clear(self) -> None:
+        self.stash = {}
+        if self._live:
+            self.pool.clear()
+
+    @property
+    def data(self) -> dict[tuple[str, int], list[np.ndarray]]:
+        out = {key: list(parts) for key, parts in self.stash.items()}
+        if self._live:
+            for key, parts in self.pool.data.items():
+                out.setdefault(key, []).extend(parts)
+        return out
+
+    def get(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:
+        parts = list(self.stash.get((kind, layer), []))
+        if self._live and self.pool.wants(kind, layer):
+            with contextlib.suppress(KeyError):
+                got = self.pool.get(kind, layer)
+                parts += got if isinstance(got, list) else [got]
+        if not parts:
+            raise KeyError(f"nothing captured for {kind} of layer {layer}")
+        axis = KINDS[kind][3]
+        return parts if axis is None else np.concatenate(parts, axis=axis)
+
+    def take(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:
+        out = self.get(kind, layer)
+        self.stash.pop((kind, layer), None)
+        if self._live:
+            self.pool._native.capture_drop(self.pool.ptr, self.pool._wants.index((kind, layer)))
+        return out

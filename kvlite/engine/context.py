@@ -18,10 +18,19 @@ from ..errors import KvliteError
 from ..limits import DEFAULT_CHUNK
 from ..native import default_threads, native
 from . import cachetypes, kvstate
-from .capture import Capture
+from .capture import Capture, PoolCapture
 from .model import LOG_BUFFERS, LOG_ERRORS, Model, logged_buffers
 
-LIVE, WORKSPACE = 0, 1  # sequence ids: the live cache and the lookahead workspace view
+MAX_LANES = 128  # llama.cpp's LLAMA_MAX_SEQ (256) sequences, two a cache
+
+# A cache's two sequences (KVCache): the live cache and the lookahead workspace view. A context of
+# one cache uses these ids; a pool of several gives cache i the ids 2i and 2i + 1 (lane_seqs).
+LIVE, WORKSPACE = 0, 1
+
+
+def lane_seqs(lane: int) -> tuple[int, int]:
+    """The (live, workspace) sequence ids of a pool's lane `lane`."""
+    return 2 * lane, 2 * lane + 1
 
 
 _NOTED: set[tuple[str, int]] = set()
@@ -74,8 +83,9 @@ def _free_memory(model: Model) -> tuple[str, int | None]:
 
 
 class Context:
-    """A context with two sequences sharing one unified cell pool (workspace views need that:
-    partial seq_cp aborts llama.cpp with per-sequence streams)."""
+    """A context whose sequences share one unified cell pool (workspace views need that: partial
+    seq_cp aborts llama.cpp with per-sequence streams): one cache's live and workspace sequences, or
+    a pool of `lanes` caches, each with its own two (lane_seqs), their cells interleaved."""
 
     def __init__(
         self,
@@ -88,15 +98,19 @@ class Context:
         type_v: str = "f16",
         capture: Capture | None = None,
         swa_full: bool = True,
+        lanes: int = 1,
     ):
         """swa_full: a sliding-window model's local layers get all n_ctx cells too (llama.cpp's
         default). A workspace needs it: a view pins every cell it views in the sliding layers' cache
         as well, and with the window-sized cache a lookahead or KVzip pass runs out of cells
         (docs/models.md, "Sliding-window models"). Without a workspace the window-sized cache holds
         the same cells in less memory. type_k/type_v: the cache types (cachetypes.CACHE_TYPES);
-        flash_attn: on, off or auto (cachetypes.flash_attn_on)."""
+        flash_attn: on, off or auto (cachetypes.flash_attn_on). lanes: how many caches share the
+        n_ctx cells (llama.cpp allows 256 sequences, two a cache)."""
         if n_ctx <= 0:
             raise KvliteError(f"context size must be positive, got {n_ctx}")
+        if not 1 <= lanes <= MAX_LANES:
+            raise KvliteError(f"a pool holds 1 to {MAX_LANES} conversations, got {lanes}")
         fa = cachetypes.check_types(type_k, type_v, flash_attn)
         cachetypes.check_head_dim(type_k, type_v, model.info.head_dim)
         self.model = model
@@ -104,7 +118,7 @@ class Context:
         p = L.llama_context_default_params()
         p.n_ctx = n_ctx
         p.n_batch = p.n_ubatch = min(n_batch, n_ctx)
-        p.n_seq_max = 2
+        p.n_seq_max = 2 * lanes
         p.kv_unified = True
         p.swa_full = swa_full
         self.flash_attn = cachetypes.flash_attn_on(fa, type_v)
@@ -133,6 +147,12 @@ class Context:
         self.n_batch = p.n_batch
         self.mem = L.llama_get_memory(self.ptr)
         self._batch = L.llama_batch_init(self.n_batch, 0, 2)
+        self.lanes = lanes
+        self.caches: list = []  # the KVCaches on this context's cells (each registers itself)
+
+    def cells_in_use(self) -> int:
+        """Cells the caches on this context hold (llama.cpp has no public count)."""
+        return sum(c.n_cells for c in self.caches)
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
@@ -155,6 +175,8 @@ class Context:
             raise ValueError("tokens and positions differ in length")
         if logits == "all" and n > self.n_batch:
             raise ValueError(f"logits for all of {n} tokens need n_batch >= {n}")
+        if self.capture is not None:
+            self.capture.activate(seq_id // 2)  # a pool's callback records for the lane decoding
         b = self._batch
         for start in range(0, n, self.n_batch):
             end = min(start + self.n_batch, n)
@@ -208,15 +230,20 @@ class Context:
             return kvstate.StateFile(path)
 
     def reload(self, state: kvstate.SeqState, seq_id: int) -> None:
-        """Clear the cell pool and load `state` into the sequence, through a temporary file that both
+        """Load `state` into the sequence in place of what it holds, through a temporary file that both
         sides stream a layer at a time (state_set takes the whole blob in memory). The file is
-        written first, so a full disk fails before the pool changes."""
+        written first, so a full disk fails before the pool changes. The sequence is removed first,
+        and llama.cpp puts its cells in free cells from the first one it freed (in a pool, other
+        sequences' cells stay where they are; alone, the sequence starts at cell 0)."""
         with _temp_path() as path:
             try:
                 kvstate.write(state, path)
             except OSError as e:
                 raise KvliteError(f"could not write a KV state to {path} (disk full?): {e.strerror}") from None
-            self.clear()
+            if self.lanes == 1:
+                self.clear()  # the placement from cell 0 every single-cache run has had
+            else:
+                self.seq_rm(seq_id, -1, -1)
             n_tokens = ctypes.c_size_t(0)
             if not L.llama_state_seq_load_file(self.ptr, path.encode(), seq_id, (L.llama_token * 1)(), 1,
                                                ctypes.byref(n_tokens)):  # fmt: skip
@@ -231,3 +258,34 @@ class Context:
         if L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id) != len(blob):
             detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
             raise KvliteError(f"llama.cpp could not load a KV state into sequence {seq_id}: {detail}")
+
+
+class Pool:
+    """One context whose cells `lanes` caches share (issue 31: a server's conversations), with one
+    eval callback that each lane's Runner sees as its own capture (PoolCapture.view). A lane is
+    taken by a Runner for a conversation's life and given back when it closes."""
+
+    def __init__(self, model: Model, n_cells: int, lanes: int, n_batch: int = DEFAULT_CHUNK,
+                 n_threads: int | None = None, flash_attn: str = "auto", type_k: str = "f16",
+                 type_v: str = "f16"):  # fmt: skip
+        self.model = model
+        self.capture = PoolCapture(model.info)
+        # every policy may run on a lane, lookahead ones included: sliding layers keep all cells
+        self.ctx = Context(model, n_cells, n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn,
+                           type_k=type_k, type_v=type_v, capture=self.capture, swa_full=True, lanes=lanes)  # fmt: skip
+        self._free = list(range(lanes))
+
+    def take(self) -> int:
+        """A free lane (the lowest), or a one-line error when every lane holds a conversation."""
+        if not self._free:
+            raise KvliteError(f"every one of the pool's {self.ctx.lanes} conversations is taken")
+        self._free.sort()
+        return self._free.pop(0)
+
+    def give_back(self, lane: int) -> None:
+        self.capture.views.pop(lane, None)
+        self._free.append(lane)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.capture.close()

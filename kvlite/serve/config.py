@@ -26,6 +26,9 @@ class ServeConfig:
     n_predict: int = 256  # max_tokens when a request gives none
     max_tokens: int = 4096  # the most a request may ask for
     slots: int = 4
+    # One pool of this many KV cells shared by every slot's conversation (issue 31); None: each slot
+    # a context of its own (-c cells, allocated up front)
+    kv_cells: int | None = None
     queue: int = 16  # requests waiting beyond the one running; more get a 503
     api_key: str | None = None
     max_body: int = 8 << 20  # bytes of a request body
@@ -37,6 +40,12 @@ class ServeConfig:
     def __post_init__(self):
         if self.slots < 1:
             raise KvliteError(f"--slots must be at least 1, got {self.slots}")
+        if self.kv_cells is not None:
+            from ..engine import MAX_LANES
+
+            check_int("--kv-cells", self.kv_cells, 1)
+            if self.slots >= MAX_LANES:  # one lane is kept spare for a slot file's conversation
+                raise KvliteError(f"--slots with --kv-cells must be under {MAX_LANES}, got {self.slots}")
         if self.queue < 0:
             raise KvliteError(f"--queue must be 0 or more, got {self.queue}")
         if not 0 < self.port < 65536:

@@ -13,6 +13,7 @@ class Metrics:
         self.rejected = 0
         self.prompt_tokens = self.prefilled_tokens = self.completion_tokens = 0
         self.prefill_s = self.decode_s = 0.0
+        self.parked = self.restored = 0  # conversations set aside in a pool, and brought back
 
     def count(self, endpoint: str) -> None:
         with self.lock:
@@ -21,6 +22,14 @@ class Metrics:
     def reject(self) -> None:
         with self.lock:
             self.rejected += 1
+
+    def park(self) -> None:
+        with self.lock:
+            self.parked += 1
+
+    def restore(self) -> None:
+        with self.lock:
+            self.restored += 1
 
     def error(self) -> None:
         with self.lock:
@@ -55,6 +64,10 @@ class Metrics:
                  [("", self.prefilled_tokens / self.prefill_s if self.prefill_s else 0)]),
                 ("decode_tokens_per_second", "gauge", "Decode throughput over all requests.",
                  [("", self.completion_tokens / self.decode_s if self.decode_s else 0)]),
+                ("conversations_parked_total", "counter", "Conversations whose cache a pool set aside in host "
+                 "memory for another's turn (--kv-cells).", [("", self.parked)]),
+                ("conversations_restored_total", "counter", "Parked conversations restored for their next turn.",
+                 [("", self.restored)]),
             ]  # fmt: skip
         labelled = [(f'{{slot="{s["id"]}"}}', s) for s in slots]
         rows += [

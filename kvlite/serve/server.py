@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api import Conversation, Session
-from ..engine import Model
+from ..engine import Model, Pool
 from ..errors import KvliteError
 from ..evict import chat_ctx, evict_mode
 from ..policies import make_policy
@@ -118,6 +118,7 @@ class Server:
         self.metrics = Metrics()
         self.admission = Admission(cfg.queue, self.metrics.reject)
         self.slot_table = Slots(cfg.slots)
+        self.pool = self._make_pool() if model is not None else None  # loaded: load()
         self.stopping = False  # set by close(): every job's `cancelled` turns True
         self.started = time.time()
         self.default_sampling = cfg.settings.sampling
@@ -143,10 +144,20 @@ class Server:
         try:
             self.model = Model(resolve_model(self.cfg.model), use_extra_bufts=self.cfg.extra_bufts,
                                n_gpu_layers=self.cfg.n_gpu_layers)  # fmt: skip
+            self.pool = self._make_pool()
         except KvliteError as e:
             self.load_error = str(e)
         except Exception as e:  # noqa: BLE001 - whatever it was, the server must end, not wait at 503
             self.load_error = f"the model could not be loaded ({type(e).__name__}: {e})"
+
+    def _make_pool(self) -> Pool | None:
+        """--kv-cells: the one context every slot's conversation shares. One lane beyond the slots: a
+        slot file's conversation is made before the one it replaces is let go."""
+        if self.cfg.kv_cells is None:
+            return None
+        s = self.cfg.settings
+        return Pool(self.model, self.cfg.kv_cells, self.cfg.slots + 1, n_batch=s.chunk, n_threads=s.n_threads,
+                    flash_attn=s.flash_attn, type_k=s.type_k, type_v=s.type_v)  # fmt: skip
 
     def not_ready(self) -> ApiError:
         """The answer while there is no model: loading (503), or it could not be loaded (500)."""
@@ -155,7 +166,28 @@ class Server:
         return ApiError(503, "Loading model", kind="unavailable_error")
 
     def _conversation(self, policy, evict: str | None) -> Conversation:
-        return Session(self.model, policy, self.cfg.settings).conversation(evict=evict)
+        conv = Session(self.model, policy, self.cfg.settings, pool=self.pool).conversation(evict=evict)
+        if self.pool is not None and conv.cap + policy.lookahead_cells() > self.pool.ctx.n_ctx:
+            conv.runner.close()
+            raise KvliteError(f"a conversation's cap of {conv.cap} cells (-c) does not fit in --kv-cells "
+                              f"{self.pool.ctx.n_ctx}: raise --kv-cells or lower -c")  # fmt: skip
+        return conv
+
+    def _room(self, slot: Slot, new: list[dict], n_predict: int) -> None:
+        """In a pool, the cells this turn may take (what the conversation holds, its new tokens, the
+        reply and a lookahead's, up to its cap) made free by parking the least recently used other
+        conversations in host memory; then the slot's own, if parked, restored."""
+        conv = slot.conversation
+        runner = conv.runner
+        held = int(slot.parked[0].live.sum()) if slot.parked else runner.cache.n_cells
+        need = min(conv.cap, held + conv.pending_tokens(new) + n_predict) + runner.policy.lookahead_cells()
+        others = sorted((s for s in self.slots if s is not slot and s.resident), key=lambda s: s.last_used)
+        while runner.cache.free + (0 if slot.parked else held) < need and others:
+            others.pop(0).park()
+            self.metrics.park()
+        if slot.parked:
+            slot.unpark()
+            self.metrics.restore()
 
     # -- chat -------------------------------------------------------------------------------------
     def chat(self, messages: list[dict], req: Ask, on_text: Callable[[str], None] | None,
@@ -170,6 +202,11 @@ class Server:
             raise ApiError(400, str(e)) from None
         conv = slot.conversation
         runner = conv.runner
+        if self.pool is not None:
+            try:
+                self._room(slot, new, req.n_predict)
+            except KvliteError as e:
+                raise ApiError(400, str(e)) from None
         runner.use_sampling(req.sampling)
         before = runner.mark()
         stops = StopFilter(req.stop)
@@ -258,6 +295,9 @@ class Server:
     def erase_slot(self, slot_id: int) -> dict:
         slot = self.slot_table[slot_id]
         n = slot.conversation.runner.cache.n_pos if slot.conversation else 0
+        if slot.parked:
+            n = len(slot.parked[0].tokens)
+        slot.parked = None
         if slot.conversation is not None:
             slot.conversation.reset()
         slot.conversation_id = None
@@ -269,3 +309,5 @@ class Server:
         self.stopping = True
         self.admission.close()
         self.slot_table.close()
+        if self.pool is not None:
+            self.pool.close()

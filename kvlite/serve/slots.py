@@ -33,6 +33,25 @@ class Slot:
     conversation_id: str | None = None
     last_used: float = 0.0
     requests: int = 0
+    # In a pool (--kv-cells): the conversation's cache set aside in host memory to give its cells to
+    # another, and how many positions it had evicted; restored when the slot is next used.
+    parked: tuple[Snapshot, int] | None = None
+
+    @property
+    def resident(self) -> int:
+        """Cells the slot holds in the context (none while parked)."""
+        return self.conversation.runner.cache.n_cells if self.conversation and not self.parked else 0
+
+    def park(self) -> None:
+        cache = self.conversation.runner.cache
+        self.parked = (cache.snapshot(), cache.evicted)
+        cache.reset()
+
+    def unpark(self) -> None:
+        """The parked cache back in the context, as it was (the runner's observed queries too)."""
+        snap, evicted = self.parked
+        self.conversation.runner.cache.restore(snap, evicted)
+        self.parked = None
 
     @property
     def messages(self) -> list[dict]:
@@ -44,27 +63,30 @@ class Slot:
         cache = conv.runner.cache if conv else None
         return {
             "id": self.id,
+            "parked": self.parked is not None,
             "conversation_id": self.conversation_id,
             "policy": repr(conv.runner.policy) if conv else None,
             "budget": conv.runner.policy.budget if conv else None,
             "messages": len(self.messages),
             "n_pos": cache.n_pos if cache else 0,
-            "resident_cells": cache.n_resident if cache else 0,
+            "resident_cells": self.resident,
             "evicted_cells": cache.evicted if cache else 0,
             "requests": self.requests,
             "last_used": self.last_used or None,
         }
 
     def hold(self, conversation: Conversation, key: str, conversation_id: str | None) -> None:
-        """Take a new conversation, freeing the context of the one it held."""
+        """Take a new conversation, freeing the context (or the pool lane) of the one it held."""
         if self.conversation is not None and self.conversation is not conversation:
             self.conversation.runner.close()
         self.conversation, self.key, self.conversation_id = conversation, key, conversation_id
+        self.parked = None
 
     def close(self) -> None:
         if self.conversation is not None:
             self.conversation.runner.close()
             self.conversation = None
+        self.parked = None
 
 
 def slot_key(policy: Policy, evict: str) -> str:
@@ -107,6 +129,7 @@ class Slots:
         else:
             slot = min(self.all, key=lambda s: (s.conversation is not None, s.last_used))  # free, else LRU
         if slot.conversation is not None and slot.key == key:
+            slot.parked = None
             slot.conversation.reset()
             slot.conversation_id = conversation_id
         else:
@@ -165,11 +188,11 @@ def write_slot_file(path: pathlib.Path, slot: Slot, model: Model) -> int:
     file). Returns how many tokens it saved."""
     conv = slot.conversation
     runner = conv.runner
-    snap = runner.cache.snapshot()
+    snap, evicted = slot.parked or (runner.cache.snapshot(), runner.cache.evicted)
     meta = {"format": SLOT_FORMAT, "model": model.path.name, "model_bytes": model.path.stat().st_size,
             "policy": runner.policy.name, "params": policy_params(runner.policy), "evict": conv.evict,
             "messages": conv.messages, "rendered": conv.rendered, "conversation_id": slot.conversation_id,
-            "evicted": runner.cache.evicted, "cache": cache_layout(runner.ctx)}  # fmt: skip
+            "evicted": evicted, "cache": cache_layout(runner.ctx)}  # fmt: skip
     arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), "live": snap.live,
               "tokens": np.asarray(snap.tokens, np.int32), "blob": np.frombuffer(snap.blob, np.uint8)}  # fmt: skip
     if snap.hidden is not None:

@@ -1,0 +1,107 @@
+"""`kvlite serve --kv-cells N` (issue 31): one pool of N cells that every slot's conversation
+shares. When a turn needs cells the pool does not have free, the least recently used other
+conversations are parked in host memory and restored when they are next asked; the client sees
+only the time that takes. A real uvicorn server on the tiny chat fixture, in this process, so the
+pool's cells can be held to llama.cpp's own state."""
+
+from __future__ import annotations
+
+import httpx2 as httpx
+import numpy as np
+import pytest
+from test_serve import AUTH, KEY, Live
+
+from kvlite.engine import LIVE, Model
+from kvlite.errors import KvliteError
+from kvlite.serve import ServeConfig, Server
+from kvlite.settings import RunSettings
+
+WORDS = [
+    "amber",
+    "basil",
+    "cedar",
+    "delta",
+    "ember",
+    "fjord",
+    "grove",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kestrel",
+    "lantern",
+    "meadow",
+]
+
+
+def message(i: int, n_words: int) -> str:
+    return " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n_words)) + "?"
+
+
+def ask(live: Live, messages: list[dict]) -> str:
+    r = live.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def converse(live: Live, order: list[int]) -> dict[int, list[str]]:
+    """Conversations by index, one turn each in `order` (a later turn continues the messages so far)."""
+    history: dict[int, list[dict]] = {}
+    replies: dict[int, list[str]] = {}
+    for i in order:
+        msgs = history.setdefault(i, [])
+        msgs.append({"role": "user", "content": message(i + len(msgs), 20 if not msgs else 4)})
+        reply = ask(live, msgs)
+        msgs.append({"role": "assistant", "content": reply})
+        replies.setdefault(i, []).append(reply)
+    return replies
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_paths) -> Model:
+    return Model(tiny_paths["llama"])
+
+
+def test_a_pool_parks_the_least_recently_used_and_answers_as_separate_contexts_do(chat_model):
+    """Four conversations of 200-300 cells in a pool of 512 (-c 384 each): a turn that does not fit
+    parks the least recently used others, and a parked conversation's next turn brings it back.
+    Every reply is the reply a server of per-slot contexts gives (the full cache: no choice among
+    near-equal scores that the pool's other summation order could tip)."""
+    order = [0, 1, 2, 3, 0, 1, 3]
+    settings = RunSettings(n_ctx=384)
+    separate = Live(Server(ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings), model=chat_model))
+    try:
+        expected = converse(separate, order)
+    finally:
+        separate.stop()
+    cfg = ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings, kv_cells=512)
+    live = Live(Server(cfg, model=chat_model))
+    try:
+        assert converse(live, order) == expected
+        server = live.server
+        assert server.metrics.parked >= 2 and server.metrics.restored >= 1
+        state = httpx.get(live.url + "/slots", headers=AUTH).json()
+        assert any(s["parked"] for s in state) and sum(s["resident_cells"] for s in state) <= 512
+        for slot in server.slots:  # what each resident conversation holds is what llama.cpp holds
+            if slot.conversation and not slot.parked:
+                cache = slot.conversation.runner.cache
+                assert np.array_equal(cache.llama_positions(LIVE), cache.positions())
+            elif slot.parked:
+                assert len(slot.conversation.runner.cache.llama_positions(LIVE)) == 0
+        assert server.pool.ctx.cells_in_use() == sum(s["resident_cells"] for s in state)
+        metrics = httpx.get(live.url + "/metrics", headers=AUTH).text
+        assert f"kvlite_conversations_parked_total {server.metrics.parked}" in metrics
+    finally:
+        live.stop()
+
+
+def test_a_cap_beyond_the_pool_is_refused(chat_model):
+    cfg = ServeConfig(api_key=KEY, slots=2, n_predict=16, settings=RunSettings(n_ctx=1024), kv_cells=512)
+    live = Live(Server(cfg, model=chat_model))
+    try:
+        r = live.post("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "does not fit in --kv-cells 512" in r.json()["error"]["message"]
+    finally:
+        live.stop()
+    for bad in (0, -5):
+        with pytest.raises(KvliteError, match="--kv-cells"):
+            ServeConfig(kv_cells=bad)
