@@ -140,8 +140,9 @@ class KVCache:
         self.ctx = ctx
         self.lane = lane
         self.seqs = lane_seqs(lane)  # indexed by LIVE and WORKSPACE
-        # a context of one cache: a new cache on it takes over from the one before (tests do that)
-        ctx.caches = [*(c for c in ctx.caches if ctx.lanes > 1), self]
+        if ctx.lanes == 1:  # a context of one cache: a new cache on it takes over (tests do that)
+            ctx.caches.clear()
+        ctx.caches.add(self)
         self._init(hidden_layer)
 
     def _init(self, hidden_layer: int | None) -> None:
@@ -386,7 +387,7 @@ class KVCache:
     def release(self) -> None:
         """Free this cache's cells and its lane (a pool's conversation that ends)."""
         self.reset()
-        self.ctx.caches.remove(self)
+        self.ctx.caches.discard(self)
 
     def truncate(self, n_pos: int) -> None:
         """Forget every position from n_pos on (undo a partly fed turn). If eviction removed the

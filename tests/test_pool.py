@@ -227,3 +227,22 @@ def test_each_lane_sees_only_its_own_captures(tiny_model):
     ca.clear()
     with pytest.raises(KeyError):
         ca.get("q", layer)
+
+
+def test_a_dropped_context_frees_its_cells_at_once(tiny_model):
+    """A cache registers with its context, weakly: the context of a dropped cache is freed when it
+    is dropped, not at some later garbage collection (a cycle kept one run's contexts, and an RPC
+    server's memory, until then)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        ctx = Context(tiny_model, n_ctx=256, n_batch=32)
+        cache = KVCache(ctx)
+        cache.append([5, 6, 7])
+        gone = weakref.ref(ctx)
+        del ctx, cache
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -43,9 +43,10 @@ def ask(live: Live, messages: list[dict]) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def converse(live: Live, order: list[int]) -> dict[int, list[str]]:
-    """Conversations by index, one turn each in `order` (a later turn continues the messages so far)."""
-    history: dict[int, list[dict]] = {}
+def converse(live: Live, order: list[int], history: dict | None = None) -> dict[int, list[str]]:
+    """Conversations by index, one turn each in `order` (a later turn continues the messages so far,
+    kept in `history`)."""
+    history = {} if history is None else history
     replies: dict[int, list[str]] = {}
     for i in order:
         msgs = history.setdefault(i, [])
@@ -105,3 +106,36 @@ def test_a_cap_beyond_the_pool_is_refused(chat_model):
     for bad in (0, -5):
         with pytest.raises(KvliteError, match="--kv-cells"):
             ServeConfig(kv_cells=bad)
+
+
+def test_a_parked_conversation_saved_to_a_file_continues_in_another_slot(chat_model, tmp_path):
+    """A parked conversation's slot file (its parked cache) restored into another slot of a full
+    pool: the restore parks what it needs, and the next turn continues from the restored cells with
+    the reply separate contexts give."""
+    settings = RunSettings(n_ctx=384)
+    separate = Live(Server(ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings), model=chat_model))
+    try:
+        expected = converse(separate, [0, 1, 2, 3, 0])
+    finally:
+        separate.stop()
+    cfg = ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings, kv_cells=512,
+                      slot_save_path=str(tmp_path))  # fmt: skip
+    live = Live(Server(cfg, model=chat_model))
+    try:
+        history: dict = {}
+        converse(live, [0, 1, 2, 3], history)
+        server = live.server
+        parked = next(s for s in server.slots if s.parked and s.messages == history[0])
+        saved = live.post(f"/slots/{parked.id}?action=save", {"filename": "p.slot"}).json()
+        assert saved["n_saved"] == len(parked.parked[0].tokens)
+        target = next(s for s in server.slots if not s.parked and s is not parked)
+        restored = live.post(f"/slots/{target.id}?action=restore", {"filename": "p.slot"}).json()
+        assert restored["n_restored"] == saved["n_saved"]
+        history[0].append({"role": "user", "content": message(len(history[0]), 4)})
+        r = live.post("/v1/chat/completions", {"model": "m", "messages": history[0], "max_tokens": 16,
+                                               "temperature": 0}).json()  # fmt: skip
+        assert r["kvlite"]["slot"] in (target.id, parked.id) and r["kvlite"]["reused_tokens"] > 0
+        assert r["choices"][0]["message"]["content"] == expected[0][1]
+        assert server.pool.ctx.cells_in_use() <= 512
+    finally:
+        live.stop()

@@ -9,6 +9,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import weakref
 from collections.abc import Sequence
 
 import llama_cpp as L
@@ -148,7 +149,9 @@ class Context:
         self.mem = L.llama_get_memory(self.ptr)
         self._batch = L.llama_batch_init(self.n_batch, 0, 2)
         self.lanes = lanes
-        self.caches: list = []  # the KVCaches on this context's cells (each registers itself)
+        # The KVCaches on this context's cells (each registers itself). Weak: a cache holds its
+        # context, and a cycle would keep a dropped context's cells allocated until a GC pass.
+        self.caches: weakref.WeakSet = weakref.WeakSet()
 
     def cells_in_use(self) -> int:
         """Cells the caches on this context hold (llama.cpp has no public count)."""

@@ -75,6 +75,12 @@ def ggml_gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
 
 
+def exact_gelu(x: torch.Tensor) -> torch.Tensor:
+    """The same tanh form computed as it stands, as ggml's GPU backends do (ggml-vulkan's geglu
+    shader: no f16 table)."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x)))
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, base: float, mode: str, factors=None) -> torch.Tensor:
     """x: [T, heads, D] rotated to positions pos [T]. norm: pairs (2i, 2i+1); neox: (i, i + D/2).
     factors [D/2] (Llama 3's rope_freqs): frequency i's angle divided by factors[i], as ggml does."""
@@ -96,9 +102,20 @@ def rope(x: torch.Tensor, pos: torch.Tensor, base: float, mode: str, factors=Non
 
 
 class ReferenceModel:
-    def __init__(self, path: str, dtype: torch.dtype = torch.float64, kv_dtype: torch.dtype | None = None):
+    def __init__(self, path: str, dtype: torch.dtype = torch.float64, kv_dtype: torch.dtype | None = None,
+                 gelu: str = "auto"):  # fmt: skip
         """kv_dtype: the precision llama.cpp stores K/V in (torch.float16 for its default f16
-        cache); cached values are rounded to it, as llama.cpp does when it writes a cell."""
+        cache); cached values are rounded to it, as llama.cpp does when it writes a cell.
+        gelu: "table" (ggml's CPU backend: ggml_gelu) or "exact" (its GPU backends: exact_gelu);
+        "auto": as where llama.cpp runs the layers of a model loaded with every layer offloaded,
+        the first GPU ggml sees, else the CPU (an RPC device counts as a CPU: kvlite's tests serve
+        this machine's CPU backend over RPC)."""
+        if gelu == "auto":
+            from ..native import default_device
+
+            device = default_device()
+            gelu = "table" if device == "cpu" or device.startswith("RPC") else "exact"
+        self.gelu = {"table": ggml_gelu, "exact": exact_gelu}[gelu]
         self.info: ModelInfo = read_model_info(path)
         self.dtype = dtype
         self.kv_dtype = kv_dtype
@@ -176,7 +193,7 @@ class ReferenceModel:
         o = torch.einsum("htn,nhd->thd", att, vh).reshape(x.shape[0], -1)
         x = x + self._norm(o @ lw.wo.T, lw.post_attn_norm)
         h = self._norm(x, lw.ffn_norm)
-        act = ggml_gelu if info.ffn_act == "gelu" else torch.nn.functional.silu
+        act = self.gelu if info.ffn_act == "gelu" else torch.nn.functional.silu
         return x + self._norm((act(h @ lw.w_gate.T) * (h @ lw.w_up.T)) @ lw.w_down.T, lw.post_ffw_norm)
 
     def embed(self, tokens) -> torch.Tensor:

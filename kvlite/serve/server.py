@@ -181,13 +181,17 @@ class Server:
         runner = conv.runner
         held = int(slot.parked[0].live.sum()) if slot.parked else runner.cache.n_cells
         need = min(conv.cap, held + conv.pending_tokens(new) + n_predict) + runner.policy.lookahead_cells()
-        others = sorted((s for s in self.slots if s is not slot and s.resident), key=lambda s: s.last_used)
-        while runner.cache.free + (0 if slot.parked else held) < need and others:
-            others.pop(0).park()
-            self.metrics.park()
+        self._park_for(need - (0 if slot.parked else held), keep=slot)
         if slot.parked:
             slot.unpark()
             self.metrics.restore()
+
+    def _park_for(self, need: int, keep: Slot | None) -> None:
+        """Park the least recently used conversations but `keep` until `need` of the pool's cells are free."""
+        others = sorted((s for s in self.slots if s is not keep and s.resident), key=lambda s: s.last_used)
+        while self.pool.ctx.n_ctx - self.pool.ctx.cells_in_use() < need and others:
+            others.pop(0).park()
+            self.metrics.park()
 
     # -- chat -------------------------------------------------------------------------------------
     def chat(self, messages: list[dict], req: Ask, on_text: Callable[[str], None] | None,
@@ -283,6 +287,8 @@ class Server:
                 raise ApiError(400, f"{path.name} holds a {describe_layout(meta['cache'])} cache; this server's is "
                                f"{describe_layout(here)}")  # fmt: skip
             snap = saved.snapshot(conv.runner.cache.hidden_layer)
+            if self.pool is not None:  # its cells, from others parked if need be (the slot's own too)
+                self._park_for(int(snap.live.sum()), keep=None)
             conv.resume(snap, meta["messages"], meta["rendered"], meta["evicted"])
         except (KvliteError, KeyError, TypeError, ValueError) as e:
             raise ApiError(400, f"{path.name} cannot be restored: {e}") from None
