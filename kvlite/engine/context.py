@@ -34,6 +34,11 @@ def lane_seqs(lane: int) -> tuple[int, int]:
     return 2 * lane, 2 * lane + 1
 
 
+def lane_of(seq_id: int) -> int:
+    """The lane a sequence id belongs to (lane_seqs' inverse)."""
+    return seq_id // 2
+
+
 _NOTED: set[tuple[str, int]] = set()
 
 
@@ -179,7 +184,7 @@ class Context:
         if logits == "all" and n > self.n_batch:
             raise ValueError(f"logits for all of {n} tokens need n_batch >= {n}")
         if self.capture is not None:
-            self.capture.activate(seq_id // 2)  # a pool's callback records for the lane decoding
+            self.capture.activate(lane_of(seq_id))  # a pool's callback records for the lane decoding
         b = self._batch
         for start in range(0, n, self.n_batch):
             end = min(start + self.n_batch, n)
