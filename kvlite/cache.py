@@ -41,6 +41,11 @@ class Snapshot:
     hidden: np.ndarray | None
     hidden_layer: int | None
 
+    @property
+    def cells(self) -> int:
+        """Cells the sequence takes once restored (its resident positions)."""
+        return int(self.live.sum())
+
 
 class CachedKV:
     """The live sequence's keys and values as llama.cpp cached them (post-RoPE keys), read from its
@@ -208,7 +213,7 @@ class KVCache:
     @property
     def free(self) -> int:
         """Cells free in the context (a pool's: less every cache's)."""
-        return self.ctx.n_ctx - self.ctx.cells_in_use()
+        return self.ctx.free_cells()
 
     def _note_cells(self) -> None:
         self.max_cells = max(self.max_cells, self.n_cells)
@@ -354,8 +359,8 @@ class KVCache:
         if self.hidden_layer is not None and snap.hidden_layer != self.hidden_layer:
             raise KvliteError(f"this cache keeps hidden states of layer {self.hidden_layer}; the snapshot does not")
         self.reset()
-        if len(snap.live) and int(snap.live.sum()) > self.free:
-            raise KvliteError(f"the snapshot holds {int(snap.live.sum())} cells; the context has {self.free} free")
+        if snap.cells > self.free:
+            raise KvliteError(f"the snapshot holds {snap.cells} cells; the context has {self.free} free")
         self.ctx.state_set(snap.blob, self.seqs[LIVE])
         self.tokens = list(snap.tokens)
         self._live = snap.live.copy()

@@ -21,6 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_memory import prose_tokens  # noqa: E402
 
 from kvlite.engine import Model  # noqa: E402
+from kvlite.limits import DEFAULT_CHUNK  # noqa: E402
 from kvlite.models import resolve_model  # noqa: E402
 from kvlite.policies import make_policy  # noqa: E402
 from kvlite.runner import Runner  # noqa: E402
@@ -43,7 +44,7 @@ PARTS = {
 
 def profile(model: Model, tokens: list[int], name: str, budget: int, threads: int) -> dict:
     policy = make_policy(name, budget=budget)
-    n_ctx, chunk = plan_context(policy, 0, len(tokens), 2, 512)
+    n_ctx, chunk = plan_context(policy, 0, len(tokens), 2, DEFAULT_CHUNK)
     runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, n_threads=threads))
     try:
         t0 = time.perf_counter()

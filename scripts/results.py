@@ -31,6 +31,7 @@ from kvlite.errors import KvliteError  # noqa: E402
 from kvlite.eval import report, stats, tune  # noqa: E402
 from kvlite.eval.grid import Grid, GridConfig  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
+from kvlite.eval.tasks import PASTE  # noqa: E402
 from kvlite.progress import progress_bar  # noqa: E402
 
 MODELS = {"smol": "default", "qwen": "qwen2.5-coder-0.5b", "gemma": "gemma3-270m"}
@@ -137,7 +138,6 @@ def stages(quick: bool = False) -> list[Stage]:
 
 
 KV_TYPES = ["f16", "q8_0", "q4_0"]
-PASTE = "paste-"  # kvlite.eval.tasks.PASTE: the document and its question only
 LONG = [16384, 32768]
 
 
@@ -218,6 +218,11 @@ def length_of(r: dict) -> int:
     return int(r["task"].rsplit("/", 1)[1])
 
 
+def model_length(r: dict) -> str:
+    """The group a paired comparison reports a record under: its model and prompt length."""
+    return f"{r['model']} · {length_of(r)}"
+
+
 def pooled_table(records: list[dict], budgets: list[int | str] | None = None) -> str:
     """Per model and length: policies as rows, budgets as columns, the score averaged over tasks and
     samples with its 95% bootstrap interval (resampling samples). budgets: the columns (default:
@@ -250,7 +255,7 @@ def claims_table(records: list[dict]) -> str:
     e = echokv_spec()
     laq = laq_spec(e)
     pairs = [(e, laq), (e, "snapkv"), (e, "streaming"), (laq, "snapkv"), (laq, "streaming"), ("cc-blind", "cc")]
-    return report.compare_markdown(records, pairs, BUDGETS, lambda r: f"{r['model']} · {length_of(r)}", label)
+    return report.compare_markdown(records, pairs, BUDGETS, model_length, label)
 
 
 def fidelity_table(records: list[dict]) -> str:
@@ -404,14 +409,13 @@ def small_test_section(records: list[dict]) -> str:
     after = small_test_policies()[-1]
     budgets = sorted({b for length in (2048, 4096) for b in small_budgets(length)})
     pairs = [(after, laq), (e, laq), (after, e), (after, "streaming")]
-    group = lambda r: f"{r['model']} · {length_of(r)}"  # noqa: E731
     status = (
         f"A stage is complete at {3 * N['smol']} samples (SmolLM2) or {3 * N['qwen']} (Qwen2.5-Coder-0.5B) a "
         "length; the n below says how far each has run, and nothing is concluded from one before it is.\n\n"
     )
     return (status + pooled_table(records, [SMALL, "1%"])
             + "\nPaired differences (** where the interval excludes 0):\n\n"
-            + report.compare_markdown(records, pairs, budgets, group, label))  # fmt: skip
+            + report.compare_markdown(records, pairs, budgets, model_length, label))  # fmt: skip
 
 
 def shape_section(own: list[dict], paste: list[dict]) -> str:
@@ -434,14 +438,13 @@ def long_section(records: list[dict]) -> str:
     pairs = [(p, "full") for p in ("streaming", "snapkv", laq, e, "kvzip")]
     pairs += [(e, laq), (e, "snapkv"), (e, "kvzip")]
     out = [pooled_table(records, ["1%", "2%"]), "Paired differences (** where the interval excludes 0):\n"]
-    out.append(report.compare_markdown(records, pairs, budgets, lambda r: f"{r['model']} · {length_of(r)}", label))
+    out.append(report.compare_markdown(records, pairs, budgets, model_length, label))
     for length in LONG:  # the chunked specs differ by length (h), so each length pairs its own
         rs = [r for r in records if length_of(r) == length]
         ce, cl = long_policies(length)[-2:]
         if rs:
             out.append(report.compare_markdown(rs, [(ce, "full"), (cl, "full"), (ce, cl), (ce, e)],
-                                               long_budgets(length), lambda r: f"{r['model']} · {length_of(r)}",
-                                               label))  # fmt: skip
+                                               long_budgets(length), model_length, label))  # fmt: skip
     out += ["\nFidelity and the evidence kept:\n", fidelity_table(records)]
     return "\n".join(out)
 

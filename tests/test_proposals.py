@@ -8,7 +8,7 @@ import torch
 
 from kvlite.cache import KVCache
 from kvlite.engine import Capture, Context, Model
-from kvlite.native import default_device
+from kvlite.reference.model import cpu_arithmetic
 from kvlite.reference.model import rope as torch_rope
 from kvlite.reference.tiny_gguf import TinySpec, llama3_freq_factors, write_tiny_gguf
 from kvlite.scoring.proposals import proposals, rope
@@ -37,7 +37,7 @@ def same_rope(ours: np.ndarray, theirs: np.ndarray, n_pos: int) -> None:
     one backend and kvlite's kernel on another, whose f32 sin/cos reduce an angle theta with an
     error of ~theta * 2^-24 of the rotated value: up to 1e-4 at position 299 on Vulkan (llvmpipe).
     Held to 2e-7 per position of the largest |q|."""
-    if default_device() == "cpu" or default_device().startswith("RPC"):
+    if cpu_arithmetic():
         np.testing.assert_array_equal(ours, theirs)
     else:
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-7 * n_pos * np.abs(theirs).max())

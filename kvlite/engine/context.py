@@ -162,6 +162,9 @@ class Context:
         """Cells the caches on this context hold (llama.cpp has no public count)."""
         return sum(c.n_cells for c in self.caches)
 
+    def free_cells(self) -> int:
+        return self.n_ctx - self.cells_in_use()
+
     def close(self) -> None:
         if getattr(self, "ptr", None):
             L.llama_batch_free(self._batch)

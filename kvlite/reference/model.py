@@ -75,6 +75,15 @@ def ggml_gelu(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x <= -10.0, torch.zeros_like(x), torch.where(x >= 10.0, x, y))
 
 
+def cpu_arithmetic() -> bool:
+    """Whether a model loaded with every layer offloaded computes on ggml's CPU backend here: no GPU
+    device, or an RPC one (kvlite's tests serve this machine's CPU backend over RPC)."""
+    from ..native import default_device
+
+    device = default_device()
+    return device == "cpu" or device.startswith("RPC")
+
+
 def exact_gelu(x: torch.Tensor) -> torch.Tensor:
     """The same tanh form computed as it stands, as ggml's GPU backends do (ggml-vulkan's geglu
     shader: no f16 table)."""
@@ -107,14 +116,9 @@ class ReferenceModel:
         """kv_dtype: the precision llama.cpp stores K/V in (torch.float16 for its default f16
         cache); cached values are rounded to it, as llama.cpp does when it writes a cell.
         gelu: "table" (ggml's CPU backend: ggml_gelu) or "exact" (its GPU backends: exact_gelu);
-        "auto": as where llama.cpp runs the layers of a model loaded with every layer offloaded,
-        the first GPU ggml sees, else the CPU (an RPC device counts as a CPU: kvlite's tests serve
-        this machine's CPU backend over RPC)."""
+        "auto": as the backend that runs the layers (cpu_arithmetic)."""
         if gelu == "auto":
-            from ..native import default_device
-
-            device = default_device()
-            gelu = "table" if device == "cpu" or device.startswith("RPC") else "exact"
+            gelu = "table" if cpu_arithmetic() else "exact"
         self.gelu = {"table": ggml_gelu, "exact": exact_gelu}[gelu]
         self.info: ModelInfo = read_model_info(path)
         self.dtype = dtype

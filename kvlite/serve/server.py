@@ -179,7 +179,7 @@ class Server:
         conversations in host memory; then the slot's own, if parked, restored."""
         conv = slot.conversation
         runner = conv.runner
-        held = int(slot.parked[0].live.sum()) if slot.parked else runner.cache.n_cells
+        held = slot.parked[0].cells if slot.parked else runner.cache.n_cells
         need = min(conv.cap, held + conv.pending_tokens(new) + n_predict) + runner.policy.lookahead_cells()
         self._park_for(need - (0 if slot.parked else held), keep=slot)
         if slot.parked:
@@ -189,7 +189,7 @@ class Server:
     def _park_for(self, need: int, keep: Slot | None) -> None:
         """Park the least recently used conversations but `keep` until `need` of the pool's cells are free."""
         others = sorted((s for s in self.slots if s is not keep and s.resident), key=lambda s: s.last_used)
-        while self.pool.ctx.n_ctx - self.pool.ctx.cells_in_use() < need and others:
+        while self.pool.ctx.free_cells() < need and others:
             others.pop(0).park()
             self.metrics.park()
 
@@ -288,7 +288,7 @@ class Server:
                                f"{describe_layout(here)}")  # fmt: skip
             snap = saved.snapshot(conv.runner.cache.hidden_layer)
             if self.pool is not None:  # its cells, from others parked if need be (the slot's own too)
-                self._park_for(int(snap.live.sum()), keep=None)
+                self._park_for(snap.cells, keep=None)
             conv.resume(snap, meta["messages"], meta["rendered"], meta["evicted"])
         except (KvliteError, KeyError, TypeError, ValueError) as e:
             raise ApiError(400, f"{path.name} cannot be restored: {e}") from None
@@ -303,10 +303,7 @@ class Server:
         n = slot.conversation.runner.cache.n_pos if slot.conversation else 0
         if slot.parked:
             n = len(slot.parked[0].tokens)
-        slot.parked = None
-        if slot.conversation is not None:
-            slot.conversation.reset()
-        slot.conversation_id = None
+        slot.start_over(None)
         return {"id_slot": slot_id, "n_erased": n}
 
     def close(self) -> None:

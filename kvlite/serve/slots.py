@@ -82,6 +82,13 @@ class Slot:
         self.conversation, self.key, self.conversation_id = conversation, key, conversation_id
         self.parked = None
 
+    def start_over(self, conversation_id: str | None) -> None:
+        """Keep the conversation (its context or lane), forget what it said and held."""
+        self.parked = None
+        if self.conversation is not None:
+            self.conversation.reset()
+        self.conversation_id = conversation_id
+
     def close(self) -> None:
         if self.conversation is not None:
             self.conversation.runner.close()
@@ -129,9 +136,7 @@ class Slots:
         else:
             slot = min(self.all, key=lambda s: (s.conversation is not None, s.last_used))  # free, else LRU
         if slot.conversation is not None and slot.key == key:
-            slot.parked = None
-            slot.conversation.reset()
-            slot.conversation_id = conversation_id
+            slot.start_over(conversation_id)
         else:
             slot.close()  # its context is freed before the next is allocated
             slot.hold(start(), key, conversation_id)
