@@ -140,14 +140,15 @@ class KVCache:
             raise KvliteError(f"keeping hidden states needs a context capturing ('hidden', {hidden_layer})")
         if not 0 <= lane < ctx.lanes:
             raise KvliteError(f"lane {lane} is not one of the context's {ctx.lanes}")
-        if ctx.lanes > 1 and any(c.lane == lane for c in ctx.caches):
-            raise KvliteError(f"lane {lane} already holds a cache")
         self.ctx = ctx
         self.lane = lane
         self.seqs = lane_seqs(lane)  # indexed by LIVE and WORKSPACE
-        if ctx.lanes == 1:  # a context of one cache: a new cache on it takes over (tests do that)
-            ctx.caches.clear()
-        ctx.caches.add(self)
+        with ctx.registry:
+            if ctx.lanes > 1 and any(c.lane == lane for c in ctx.caches):
+                raise KvliteError(f"lane {lane} already holds a cache")
+            if ctx.lanes == 1:  # a context of one cache: a new cache on it takes over (tests do that)
+                ctx.caches.clear()
+            ctx.caches.add(self)
         self._init(hidden_layer)
 
     def _init(self, hidden_layer: int | None) -> None:
@@ -239,7 +240,7 @@ class KVCache:
         positions = range(start, start + len(tokens))
         self.ctx.decode(tokens, positions, self.seqs[LIVE], logits)
         if self.hidden_layer is not None:
-            rows = self.ctx.capture.take("hidden", self.hidden_layer)
+            rows = self.ctx.capture.for_lane(self.lane).take("hidden", self.hidden_layer)
             self.hidden = rows if self.hidden is None else np.concatenate([self.hidden, rows])
         self.tokens.extend(int(t) for t in tokens)
         self._live = np.concatenate([self._live, np.ones(len(tokens), dtype=bool)])
@@ -392,7 +393,8 @@ class KVCache:
     def release(self) -> None:
         """Free this cache's cells and its lane (a pool's conversation that ends)."""
         self.reset()
-        self.ctx.caches.discard(self)
+        with self.ctx.registry:
+            self.ctx.caches.discard(self)
 
     def truncate(self, n_pos: int) -> None:
         """Forget every position from n_pos on (undo a partly fed turn). If eviction removed the

@@ -14,7 +14,9 @@ import os
 import pathlib
 import socket
 import sys
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import llama_cpp  # noqa: F401  -- maps libggml* first, so the kernels share llama.cpp's ggml
 import numpy as np
@@ -25,6 +27,8 @@ from .limits import check_pool_kernel, check_threads
 
 if TYPE_CHECKING:
     from .models import ModelInfo
+
+T = TypeVar("T")
 
 ABI_VERSION = 15
 _LIB_NAME = {"darwin": "libkvlite_native.dylib", "win32": "kvlite_native.dll"}.get(sys.platform, "libkvlite_native.so")
@@ -110,6 +114,12 @@ class Native:
 
     def __init__(self, n_threads: int | None = None, path: str | pathlib.Path | None = None, device: str | None = None):
         self._ctx = None
+        # The kernels share one scheduler and its buffers: a server's conversations evict from
+        # several threads, one kernel at a time, on the thread that runs llama.cpp's decodes when
+        # one does (a pool's batcher: executor). With OpenMP a second thread computing ggml graphs
+        # brings a second team of workers, and llama_decode ran 2.5x slower from then on.
+        self.lock = threading.Lock()
+        self.executor: Callable[[Callable[[], T]], T] | None = None
         path = pathlib.Path(path) if path else _find_library()
         try:
             lib = ctypes.CDLL(str(path))
@@ -172,13 +182,19 @@ class Native:
         """The CPU threads every kernel runs with from now on (-t; llama.cpp's decode takes the same)."""
         check_threads("-t", n_threads)
         if n_threads != self.n_threads:
-            self._lib.kvl_set_threads(self._ctx, n_threads)
+            self._run(lambda: self._lib.kvl_set_threads(self._ctx, n_threads))
             self.n_threads = n_threads
+
+    def _run(self, call: Callable[[], T]) -> T:
+        if self.executor is not None:
+            return self.executor(call)
+        with self.lock:
+            return call()
 
     def release(self) -> None:
         """Free the kernels' compute buffer (sized to the largest graph run so far); the next kernel
         allocates it again."""
-        self._lib.kvl_free_buffers(self._ctx)
+        self._run(lambda: self._lib.kvl_free_buffers(self._ctx))
 
     def attn_pool(
         self,
@@ -246,10 +262,10 @@ class Native:
         k = np.ascontiguousarray(k)
         out = np.empty((n_layer, n_head_kv, n_keys), np.float32)
         scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-        rc = self._lib.kvl_attn_pool(
+        rc = self._run(lambda: self._lib.kvl_attn_pool(
             self._ctx, _ptr(q), _ptr(k), k_type, _ptr(mask), n_layer, n_head, n_head_kv, n_q, n_keys, head_dim,
             scale, chunk, int(reduce == "max"), causal_tail, _ptr(out),
-        )  # fmt: skip
+        ))  # fmt: skip
         if rc != 0:
             raise KvliteError(f"native attn_pool failed (status {rc}) for q{q.shape} k{k.shape}")
         return max_smooth(out, pool_kernel)
@@ -274,7 +290,8 @@ class Native:
         if x.ndim != 3 or pos.shape != (x.shape[0],):
             raise KvliteError(f"rope wants x [n, heads, head_dim] and n positions, got {x.shape} and {pos.shape}")
         out = np.empty_like(x)
-        rc = self._lib.kvl_rope(self._ctx, ctypes.byref(rope), _ptr(x), _ptr(pos), *x.shape, _ptr(out))
+        rope_ref = ctypes.byref(rope)
+        rc = self._run(lambda: self._lib.kvl_rope(self._ctx, rope_ref, _ptr(x), _ptr(pos), *x.shape, _ptr(out)))
         if rc != 0:
             raise KvliteError(f"native rope failed (status {rc}) for x{x.shape}")
         return out
@@ -294,7 +311,8 @@ class Native:
         """The token embeddings of tokens int32 [n]: float32 [n, n_embd] (layer 0's input)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         hidden = np.empty((len(tokens), n_embd), np.float32)
-        self._check(self._lib.kvl_cc_embed(self._ctx, model, len(tokens), _ptr(tokens), _ptr(hidden)), "embedding")
+        rc = self._run(lambda: self._lib.kvl_cc_embed(self._ctx, model, len(tokens), _ptr(tokens), _ptr(hidden)))
+        self._check(rc, "embedding")
         return hidden
 
     def cc_layer(self, model: int, layer: int, min_gap: int, block_rows: int, positions: np.ndarray, k: np.ndarray,
@@ -308,8 +326,9 @@ class Native:
             raise KvliteError("counter-causal hidden rows must be C-contiguous float32")
         positions = np.ascontiguousarray(positions, dtype=np.int32)
         k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-        rc = self._lib.kvl_cc_layer(self._ctx, model, layer, min_gap, max(block_rows, 0), len(positions),
-                                    _ptr(positions), _ptr(k), _ptr(v), kv_type, _ptr(hidden))  # fmt: skip
+        rc = self._run(lambda: self._lib.kvl_cc_layer(self._ctx, model, layer, min_gap, max(block_rows, 0),
+                                                      len(positions), _ptr(positions), _ptr(k), _ptr(v), kv_type,
+                                                      _ptr(hidden)))  # fmt: skip
         self._check(rc, f"layer {layer}")
 
     def cc_output(self, model: int, logprob: bool, block_rows: int, tokens: np.ndarray,
@@ -318,8 +337,8 @@ class Native:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         hidden = np.ascontiguousarray(hidden, dtype=np.float32)
         out = np.empty(len(tokens), np.float32)
-        rc = self._lib.kvl_cc_output(self._ctx, model, int(logprob), max(block_rows, 0), len(tokens), _ptr(tokens),
-                                     _ptr(hidden), _ptr(out))  # fmt: skip
+        rc = self._run(lambda: self._lib.kvl_cc_output(self._ctx, model, int(logprob), max(block_rows, 0), len(tokens),
+                                                       _ptr(tokens), _ptr(hidden), _ptr(out)))  # fmt: skip
         self._check(rc, "output")
         return out
 

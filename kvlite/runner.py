@@ -322,7 +322,7 @@ class Runner:
                 if self._next_logits is not None:
                     token, self._next_logits = self.sampler.sample_logits(self._next_logits), None
                 else:
-                    token = self.sampler.sample(self.ctx.ptr, -1)
+                    token = self.ctx.sample(self.sampler)
                 if self.model.is_eog(token):
                     stopped = "eog"
                     break

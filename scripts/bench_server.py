@@ -4,7 +4,11 @@ HTTP) for the throughput ratio. Prints: lost or duplicated requests (must be 0),
 tokens/s through the server and directly, and the server's RSS after warm-up and at the end
 (flat within 10% is the target). Starts and stops its own server; run it alone (2 cores).
 
-usage: python scripts/bench_server.py [--requests 200] [--clients 8] [--direct N] [--json]
+--kv-cells 0,4096 runs the same load on two servers in turn, a context per slot (0) and one pool of
+4096 cells (whose slots' turns run at once, their decodes batched), and prints each one's figures
+and their ratios.
+
+usage: python scripts/bench_server.py [--requests 200] [--clients 8] [--kv-cells 0[,N]] [--direct N] [--json]
 """
 
 from __future__ import annotations
@@ -64,24 +68,46 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--direct", type=int, default=None,
-                    help="run only the first N measured requests directly (default: all, like for like)")  # fmt: skip
+                    help="the first N measured requests run directly too (default: all; 0: none)")  # fmt: skip
+    ap.add_argument("--kv-cells", default="0",
+                    help="servers in turn: 0 a context per slot, N one pool of N cells (e.g. 0,4096)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    pools = [int(x) for x in args.kv_cells.split(",")]
+    results = {}
+    for cells in pools:
+        results[f"kv_cells={cells}"] = serve_and_load(args, cells)
+    reqs = requests_for(args.requests)
+    warm = min(args.clients, len(reqs))
+    if args.direct != 0:
+        direct_tok_s = direct(reqs[warm:] if args.direct is None else reqs[warm : warm + args.direct])
+        for r in results.values():
+            r["direct_tok_s"] = direct_tok_s
+            r["server_vs_direct"] = r["server_tok_s"] / direct_tok_s
+    if len(pools) == 2:
+        a, b = (results[f"kv_cells={c}"] for c in pools)
+        results["ratios"] = {f"{k}_ratio": b[k] / a[k] for k in ("latency_p50_s", "latency_p95_s", "server_tok_s")}
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return
+    for name, result in results.items():
+        print(f"-- {name}")
+        for k, v in result.items():
+            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
+
+
+def serve_and_load(args, kv_cells: int) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     kvlite = pathlib.Path(sys.executable).parent / "kvlite"
-    proc = subprocess.Popen([str(kvlite), "serve", "--port", str(port), "--slots", "4", "--queue", str(args.clients)],
+    cmd = [str(kvlite), "serve", "--port", str(port), "--slots", "4", "--queue", str(args.clients)]
+    proc = subprocess.Popen(cmd + (["--kv-cells", str(kv_cells)] if kv_cells else []),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        result = run(url, proc, args)
+        return run(url, proc, args)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for k, v in result.items():
-            print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
 
 
 def run(url: str, proc: subprocess.Popen, args) -> dict:
@@ -127,7 +153,6 @@ def run(url: str, proc: subprocess.Popen, args) -> dict:
     lost = len(reqs) - len(answers)
     expected = len(reqs) + sum(r["follow_up"] for r in reqs)
     duplicated = len(ids) - len(set(ids)) + max(0, len(ids) - expected)
-    direct_tok_s = direct(reqs[warm:] if args.direct is None else reqs[warm : warm + args.direct])
     lat = np.array(latencies[warm:])
     server_tok_s = sum(tokens[warm:]) / wall
     return {
@@ -140,8 +165,6 @@ def run(url: str, proc: subprocess.Popen, args) -> dict:
         "latency_p50_s": float(np.percentile(lat, 50)),
         "latency_p95_s": float(np.percentile(lat, 95)),
         "server_tok_s": server_tok_s,
-        "direct_tok_s": direct_tok_s,
-        "server_vs_direct": server_tok_s / direct_tok_s,
         "rss_after_warmup_mb": rss_start,
         "rss_end_mb": rss_end,
         "rss_growth": rss_end / rss_start - 1,

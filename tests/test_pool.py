@@ -5,6 +5,8 @@ export of every sequence, not against kvlite's bookkeeping."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -199,9 +201,61 @@ def test_a_conversation_among_evicting_others_matches_it_alone(tiny_path):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
 
 
+def _concurrent(model: Model, specs: list[str], prompts: list[list[list[int]]]) -> tuple[list[list], Pool]:
+    """The conversations on one pool, each on a thread of its own and all at once (the server's
+    continuous batching: their decodes meet in the batcher's steps); what each did, turn by turn."""
+    pool = Pool(model, n_cells=768, lanes=3, n_batch=8)
+    runners = [_runner(model, spec, pool) for spec in specs]
+    done: list[list] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(runners))
+
+    def talk(i: int) -> None:
+        try:
+            start.wait()
+            for prompt in prompts[i]:
+                _turn(runners[i], prompt, done[i])
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(len(runners))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for runner in runners:
+        assert np.array_equal(runner.cache.llama_positions(LIVE), runner.cache.positions())
+        runner.close()
+    return done, pool
+
+
+def test_conversations_on_threads_batch_and_match_them_one_at_a_time(tiny_path):
+    """Three conversations at once, each on its thread, under policies that capture queries for a
+    lookahead (EchoKV), keep hidden states (counter-causal fast) and refresh during the reply
+    (chunked LAQ): their decodes share steps, and each does what it did when the three ran one
+    turn at a time. Each lane gets its own rows of every step's captures and logits."""
+    model = Model(tiny_path)
+    specs = ["echokv(budget=40,T=4,S=2,B1=64)", "cc-fast(budget=40)", "laq(budget=40,T=4,mode=chunked)"]
+    for spec in specs:
+        _check_model(model, spec)
+    prompts = _prompts(3)
+    one_at_a_time = _interleaved(model, specs, prompts)
+    together, pool = _concurrent(model, specs, prompts)
+    batcher = pool.ctx.batcher
+    assert batcher.jobs > batcher.steps, "no step carried two lanes"
+    for a, b in zip(together, one_at_a_time):
+        assert [(t, k) for t, k, _ in a] == [(t, k) for t, k, _ in b]
+        for (_, _, x), (_, _, y) in zip(a, b):
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-3)
+    pool.close()
+
+
 def test_each_lane_sees_only_its_own_captures(tiny_model):
-    """The pool's one eval callback records for the lane decoding, with that lane's switch; what a
-    lane recorded and has not taken waits aside while the others decode (PoolCapture)."""
+    """The pool's one eval callback records a step while a switch of a lane in it is on, and each
+    lane with its switch on gets its own rows; what a lane recorded and has not taken stays its
+    own while the others decode (PoolCapture)."""
     layer = tiny_model.info.full_layers[0]
     solo = Capture(tiny_model.info)
     solo.request("q", [layer])
@@ -215,7 +269,7 @@ def test_each_lane_sees_only_its_own_captures(tiny_model):
     ca.request("q", [layer])
     cb.enabled = False
     a.append(list(range(10, 30)))
-    b.append(list(range(10, 25)))  # switched off: nothing; a's 20 rows wait aside
+    b.append(list(range(10, 25)))  # switched off: nothing; a's 20 rows stay a's
     c.append(list(range(10, 40)))
     cb.enabled = True
     b.append([5, 6])

@@ -6,6 +6,8 @@ pool's cells can be held to llama.cpp's own state."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx2 as httpx
 import numpy as np
 import pytest
@@ -137,5 +139,70 @@ def test_a_parked_conversation_saved_to_a_file_continues_in_another_slot(chat_mo
         assert r["kvlite"]["slot"] in (target.id, parked.id) and r["kvlite"]["reused_tokens"] > 0
         assert r["choices"][0]["message"]["content"] == expected[0][1]
         assert server.pool.ctx.cells_in_use() <= 512
+    finally:
+        live.stop()
+
+
+def converse_at_once(live: Live, turns: int, n: int) -> dict[int, list[str]]:
+    """n clients at once, each holding its own conversation of `turns` turns (converse, one thread a
+    client); the replies by conversation."""
+    with ThreadPoolExecutor(n) as clients:
+        runs = [clients.submit(converse, live, [i] * turns) for i in range(n)]
+        return {i: run.result()[i] for i, run in enumerate(runs)}
+
+
+def complete(live: Live, i: int) -> str:
+    r = live.post("/v1/completions", {"model": "m", "prompt": message(i, 30), "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_concurrent_conversations_share_decode_steps_and_answer_as_each_alone(chat_model):
+    """Four clients at once on a pool that holds them all, and two completions beside them: the
+    turns run together, one worker a slot, and their tokens share decode steps (continuous
+    batching). Every reply is the reply the conversation (or prompt) gets alone in a server of
+    per-slot contexts, and the pool stays llama.cpp's; a completion leaves no cell behind."""
+    settings = RunSettings(n_ctx=384)
+    separate = Live(Server(ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings), model=chat_model))
+    try:
+        expected = {i: converse(separate, [i] * 2)[i] for i in range(4)}
+        completions = [complete(separate, i) for i in (5, 6)]
+    finally:
+        separate.stop()
+    live = Live(Server(ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings, kv_cells=1536),
+                       model=chat_model))  # fmt: skip
+    try:
+        with ThreadPoolExecutor(2) as clients:
+            side = [clients.submit(complete, live, i) for i in (5, 6)]
+            assert converse_at_once(live, 2, 4) == expected
+            assert [c.result() for c in side] == completions
+        server = live.server
+        batcher = server.pool.ctx.batcher
+        assert batcher.jobs >= 1.5 * batcher.steps, f"{batcher.jobs} decodes in {batcher.steps} steps"
+        assert server.metrics.parked == 0 and not server.reserved
+        for slot in server.slots:
+            cache = slot.conversation.runner.cache
+            assert not slot.busy and np.array_equal(cache.llama_positions(LIVE), cache.positions())
+        assert server.pool.ctx.cells_in_use() == sum(s.resident for s in server.slots)
+    finally:
+        live.stop()
+
+
+def test_turns_that_do_not_fit_together_wait_for_room(chat_model):
+    """Four clients at once on a pool of 512 cells, where a second turn reserves about 190 (what it
+    holds, its message and 16 tokens of reply): the four do not fit together, so turns wait for
+    running ones' cells, and idle conversations are parked; no request fails or overfills the pool."""
+    settings = RunSettings(n_ctx=384)
+    cfg = ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings, kv_cells=512)
+    live = Live(Server(cfg, model=chat_model))
+    try:
+        replies = converse_at_once(live, 2, 4)
+        assert all(len(r) == 2 for r in replies.values())
+        server = live.server
+        assert server.metrics.waited >= 1 and server.metrics.parked >= 1 and not server.reserved
+        assert server.pool.ctx.cells_in_use() == sum(s.resident for s in server.slots) <= 512
+        metrics = httpx.get(live.url + "/metrics", headers=AUTH).text
+        assert f"kvlite_turns_waited_total {server.metrics.waited}" in metrics
+        assert f"kvlite_decode_steps_total {server.pool.ctx.batcher.steps}" in metrics
     finally:
         live.stop()

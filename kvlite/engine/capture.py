@@ -5,12 +5,13 @@ callback there slowed decoding down (docs/design.md, "Measured facts the code re
 
 from __future__ import annotations
 
-import contextlib
+import threading
 from collections.abc import Iterable
 
 import llama_cpp
 import numpy as np
 
+from ..errors import KvliteError
 from ..models import ModelInfo
 from ..native import native
 
@@ -111,38 +112,51 @@ class Capture:
         axis = KINDS[kind][3]
         return parts if axis is None else np.concatenate(parts, axis=axis)
 
-    def activate(self, lane: int) -> None:
-        """A decode on `lane`'s sequences is about to run (Context.decode): nothing to switch here."""
+    def for_lane(self, lane: int) -> Capture | LaneCapture:
+        """What a cache on `lane` reads its records from (a plain capture: itself)."""
+        return self
 
 
 class PoolCapture(Capture):
     """The one eval callback of a pool's context (Context(lanes=N)), shared by its caches: each lane
-    gets a LaneCapture with its own switch and its own records. Before a decode the context
-    activates the lane whose sequences it decodes: the callback takes that lane's switch, and the
-    records the previous lane had not taken yet are set aside for it (a chunked-mode lane keeps
-    the queries it observed for its next refresh while others decode)."""
+    gets a LaneCapture with its own switch and its own records. A decode step (engine.batcher)
+    records while the switch of any lane in it is on; then its records are dealt out, each lane's
+    rows of the batch to that lane, if its switch is on. Every kind it records has a token axis."""
 
     def __init__(self, info: ModelInfo) -> None:
         super().__init__(info)
         self.views: dict[int, LaneCapture] = {}
-        self.active: int | None = None
-        self.enabled = False  # a lane with no view (a policy that captures nothing) records nothing
+        self.enabled = False  # set for each step
+        self.lock = threading.RLock()  # the pool's context's, once it has one
 
     def view(self, lane: int) -> LaneCapture:
         self.views[lane] = LaneCapture(self, lane)
         return self.views[lane]
 
-    def activate(self, lane: int) -> None:
-        if lane == self.active:
-            return
-        previous = self.views.get(self.active) if self.active is not None else None
-        if previous is not None:
-            for key, parts in self._records().items():
-                previous.stash.setdefault(key, []).extend(parts)
-        self.clear()
-        self.active = lane
+    def for_lane(self, lane: int) -> LaneCapture:
+        return self.views[lane]
+
+    def lane_on(self, lane: int) -> bool:
         view = self.views.get(lane)
-        self.enabled = view.on if view is not None else False
+        return view is not None and view.on
+
+    def request(self, kind: str, layers: Iterable[int]) -> None:
+        if KINDS[kind][3] is None:
+            raise KvliteError(f"a pool's capture deals rows by token; {kind} has no token axis")
+        with self.lock:
+            super().request(kind, layers)
+
+    def deal(self, spans: list[tuple[int, int]]) -> None:
+        """The last step's records to its lanes: spans, (lane, tokens) in batch order."""
+        records = {key: np.concatenate(parts) for key, parts in self._records().items()}
+        self.clear()
+        start = 0
+        for lane, n in spans:
+            if self.lane_on(lane):
+                stash = self.views[lane].stash
+                for key, rows in records.items():
+                    stash.setdefault(key, []).append(rows[start : start + n])
+            start += n
 
 
 class LaneCapture:
@@ -151,11 +165,7 @@ class LaneCapture:
     def __init__(self, pool: PoolCapture, lane: int) -> None:
         self.pool, self.lane = pool, lane
         self.on = True  # as a new Capture: recording until switched off
-        self.stash: dict[tuple[str, int], list[np.ndarray]] = {}  # records made while another lane was active
-
-    @property
-    def _live(self) -> bool:
-        return self.pool.active == self.lane
+        self.stash: dict[tuple[str, int], list[np.ndarray]] = {}  # its rows of each step, per (kind, layer)
 
     @property
     def enabled(self) -> bool:
@@ -164,8 +174,6 @@ class LaneCapture:
     @enabled.setter
     def enabled(self, on: bool) -> None:
         self.on = bool(on)
-        if self._live:
-            self.pool.enabled = self.on
 
     def request(self, kind: str, layers: Iterable[int]) -> None:
         self.pool.request(kind, layers)
@@ -175,31 +183,18 @@ class LaneCapture:
 
     def clear(self) -> None:
         self.stash = {}
-        if self._live:
-            self.pool.clear()
 
     @property
     def data(self) -> dict[tuple[str, int], list[np.ndarray]]:
-        out = {key: list(parts) for key, parts in self.stash.items()}
-        if self._live:
-            for key, parts in self.pool.data.items():
-                out.setdefault(key, []).extend(parts)
-        return out
+        return {key: list(parts) for key, parts in self.stash.items()}
 
-    def get(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:
-        parts = list(self.stash.get((kind, layer), []))
-        if self._live and self.pool.wants(kind, layer):
-            with contextlib.suppress(KeyError):
-                got = self.pool.get(kind, layer)
-                parts += got if isinstance(got, list) else [got]
+    def get(self, kind: str, layer: int) -> np.ndarray:
+        parts = self.stash.get((kind, layer))
         if not parts:
             raise KeyError(f"nothing captured for {kind} of layer {layer}")
-        axis = KINDS[kind][3]
-        return parts if axis is None else np.concatenate(parts, axis=axis)
+        return np.concatenate(parts, axis=KINDS[kind][3])
 
-    def take(self, kind: str, layer: int) -> np.ndarray | list[np.ndarray]:
+    def take(self, kind: str, layer: int) -> np.ndarray:
         out = self.get(kind, layer)
-        self.stash.pop((kind, layer), None)
-        if self._live:
-            self.pool._native.capture_drop(self.pool.ptr, self.pool._wants.index((kind, layer)))
+        del self.stash[(kind, layer)]
         return out

@@ -9,6 +9,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -19,8 +20,10 @@ from ..errors import KvliteError
 from ..limits import DEFAULT_CHUNK
 from ..native import default_threads, native
 from . import cachetypes, kvstate
+from .batcher import Batcher, Job
 from .capture import Capture, PoolCapture
 from .model import LOG_BUFFERS, LOG_ERRORS, Model, logged_buffers
+from .sampling import Sampler
 
 MAX_LANES = 128  # llama.cpp's LLAMA_MAX_SEQ (256) sequences, two a cache
 
@@ -157,15 +160,26 @@ class Context:
         # The KVCaches on this context's cells (each registers itself). Weak: a cache holds its
         # context, and a cycle would keep a dropped context's cells allocated until a GC pass.
         self.caches: weakref.WeakSet = weakref.WeakSet()
+        # A pool's lanes run on threads of their own: each call into llama.cpp holds the lock, and
+        # their decodes meet in the batcher (one llama_decode for all who wait). Never held across a
+        # decode or a native kernel: both run on the batcher's thread, which takes it.
+        self.lock = threading.RLock()
+        self.registry = threading.Lock()  # guards `caches`: counting cells never waits for a step
+        self.batcher = Batcher(self) if lanes > 1 else None
+        self._rows = threading.local()  # in a pool: this thread's last decode's logits (first index, rows)
 
     def cells_in_use(self) -> int:
         """Cells the caches on this context hold (llama.cpp has no public count)."""
-        return sum(c.n_cells for c in self.caches)
+        with self.registry:
+            caches = list(self.caches)
+        return sum(c.n_cells for c in caches)
 
     def free_cells(self) -> int:
         return self.n_ctx - self.cells_in_use()
 
     def close(self) -> None:
+        if getattr(self, "batcher", None) is not None:
+            self.batcher.close()
         if getattr(self, "ptr", None):
             L.llama_batch_free(self._batch)
             L.llama_free(self.ptr)
@@ -176,57 +190,86 @@ class Context:
 
     # -- decode ---------------------------------------------------------------------------------
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_id: int = LIVE, logits: str = "last") -> None:
-        """Decode tokens at the given positions on one sequence, n_batch at a time.
+        """Decode tokens at the given positions on one sequence, n_batch at a time (in a pool, each
+        piece in a step of the batcher, beside other lanes' decodes).
 
         logits: "last" (only the final token's row is kept), "all" or "none". Rows are indexed
-        within the final llama_decode call, so "all" needs len(tokens) <= n_batch.
+        within the final piece, so "all" needs len(tokens) <= n_batch.
         """
         n = len(tokens)
         if n != len(positions):
             raise ValueError("tokens and positions differ in length")
         if logits == "all" and n > self.n_batch:
             raise ValueError(f"logits for all of {n} tokens need n_batch >= {n}")
-        if self.capture is not None:
-            self.capture.activate(lane_of(seq_id))  # a pool's callback records for the lane decoding
-        b = self._batch
         for start in range(0, n, self.n_batch):
             end = min(start + self.n_batch, n)
+            mode = logits if end == n else "none"
+            if self.batcher is not None:
+                rows = self.batcher.decode(Job(tokens[start:end], positions[start:end], seq_id, mode))
+                self._rows.last = (end - start - len(rows) if rows is not None else 0, rows)
+                continue
+            b = self._batch
             b.n_tokens = end - start
             for j, i in enumerate(range(start, end)):
                 b.token[j] = tokens[i]
                 b.pos[j] = positions[i]
                 b.n_seq_id[j] = 1
                 b.seq_id[j][0] = seq_id
-                b.logits[j] = logits == "all" or (logits == "last" and i == n - 1)
-            rc = L.llama_decode(self.ptr, b)
+                b.logits[j] = mode == "all" or (mode == "last" and i == n - 1)
+            with self.lock:
+                rc = L.llama_decode(self.ptr, b)
             if rc != 0:
                 reason = {1: "no free cell in the KV cache (context full)", 2: "aborted"}.get(rc, "error")
                 raise KvliteError(f"llama_decode failed ({rc}: {reason}) at position {positions[start]}")
 
     def logits(self, i: int = -1) -> np.ndarray:
-        """A copy of the logits of row i of the last decode call (-1: its last row)."""
-        ptr = L.llama_get_logits_ith(self.ptr, i)
-        if not ptr:
+        """A copy of the logits of row i of the last decode's final piece (-1: its last row; in a
+        pool, of this thread's last decode)."""
+        if self.batcher is None:
+            return self.logits_row(i)
+        first, rows = getattr(self._rows, "last", (0, None))
+        k = len(rows) - 1 if rows is not None and i == -1 else i - first
+        if rows is None or not 0 <= k < len(rows):
             raise KvliteError(f"no logits for row {i} of the last decode")
-        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+        return rows[k].copy()
+
+    def logits_row(self, i: int) -> np.ndarray:
+        """A copy of row i of llama.cpp's logits of the last llama_decode."""
+        with self.lock:
+            ptr = L.llama_get_logits_ith(self.ptr, i)
+            if not ptr:
+                raise KvliteError(f"no logits for row {i} of the last decode")
+            return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    def sample(self, sampler: Sampler) -> int:
+        """The next token, sampled from the last decode's last row (in a pool, this thread's)."""
+        if self.batcher is None:
+            with self.lock:
+                return sampler.sample(self.ptr, -1)
+        return sampler.sample_logits(self.logits(-1))
 
     # -- sequences ------------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int, p1: int) -> None:
-        if not L.llama_memory_seq_rm(self.mem, seq_id, p0, p1):
+        with self.lock:
+            ok = L.llama_memory_seq_rm(self.mem, seq_id, p0, p1)
+        if not ok:
             raise KvliteError(f"llama.cpp refused to remove positions [{p0}, {p1}) of sequence {seq_id}")
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
-        L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+        with self.lock:
+            L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
 
     def clear(self) -> None:
-        L.llama_memory_clear(self.mem, True)
+        with self.lock:
+            L.llama_memory_clear(self.mem, True)
 
     def state_get(self, seq_id: int) -> bytearray:
         """The sequence's state blob, written by llama.cpp straight into the one buffer returned
         (no second copy: at 8K tokens on SmolLM2 a blob is ~190 MB)."""
-        n = L.llama_state_seq_get_size(self.ptr, seq_id)
-        blob = bytearray(n)
-        written = L.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * n).from_buffer(blob), n, seq_id)
+        with self.lock:
+            n = L.llama_state_seq_get_size(self.ptr, seq_id)
+            blob = bytearray(n)
+            written = L.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * n).from_buffer(blob), n, seq_id)
         del blob[written:]
         return blob
 
@@ -234,7 +277,7 @@ class Context:
         """The sequence's state exported to a temporary file (TMPDIR) and opened to be read a layer at a
         time: what reading the cache costs in memory is one layer, not the whole export. The file is
         unlinked at once; its space returns when the StateFile closes."""
-        with _temp_path() as path:
+        with _temp_path() as path, self.lock:
             if not L.llama_state_seq_save_file(self.ptr, path.encode(), seq_id, None, 0):
                 detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
                 raise KvliteError(f"llama.cpp could not export sequence {seq_id} to {path} (disk full?): {detail}")
@@ -251,13 +294,15 @@ class Context:
                 kvstate.write(state, path)
             except OSError as e:
                 raise KvliteError(f"could not write a KV state to {path} (disk full?): {e.strerror}") from None
-            if self.lanes == 1:
-                self.clear()  # the placement from cell 0 every single-cache run has had
-            else:
-                self.seq_rm(seq_id, -1, -1)
-            n_tokens = ctypes.c_size_t(0)
-            if not L.llama_state_seq_load_file(self.ptr, path.encode(), seq_id, (L.llama_token * 1)(), 1,
-                                               ctypes.byref(n_tokens)):  # fmt: skip
+            with self.lock:  # the sequence's cells are freed and taken again with no decode between
+                if self.lanes == 1:
+                    self.clear()  # the placement from cell 0 every single-cache run has had
+                else:
+                    self.seq_rm(seq_id, -1, -1)
+                n_tokens = ctypes.c_size_t(0)
+                loaded = L.llama_state_seq_load_file(self.ptr, path.encode(), seq_id, (L.llama_token * 1)(), 1,
+                                                     ctypes.byref(n_tokens))  # fmt: skip
+            if not loaded:
                 detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
                 raise KvliteError(f"llama.cpp could not load a KV state into sequence {seq_id}: {detail}")
 
@@ -266,7 +311,9 @@ class Context:
             buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
         else:
             buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        if L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id) != len(blob):
+        with self.lock:
+            n = L.llama_state_seq_set_data(self.ptr, buf, len(blob), seq_id)
+        if n != len(blob):
             detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
             raise KvliteError(f"llama.cpp could not load a KV state into sequence {seq_id}: {detail}")
 
@@ -274,7 +321,8 @@ class Context:
 class Pool:
     """One context whose cells `lanes` caches share (issue 31: a server's conversations), with one
     eval callback that each lane's Runner sees as its own capture (PoolCapture.view). A lane is
-    taken by a Runner for a conversation's life and given back when it closes."""
+    taken by a Runner for a conversation's life and given back when it closes. n_batch: a lane's
+    prefill chunk; a decode step holds one and a token of every other lane."""
 
     def __init__(self, model: Model, n_cells: int, lanes: int, n_batch: int = DEFAULT_CHUNK,
                  n_threads: int | None = None, flash_attn: str = "auto", type_k: str = "f16",
@@ -282,8 +330,9 @@ class Pool:
         self.model = model
         self.capture = PoolCapture(model.info)
         # every policy may run on a lane, lookahead ones included: sliding layers keep all cells
-        self.ctx = Context(model, n_cells, n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn,
+        self.ctx = Context(model, n_cells, n_batch=n_batch + lanes, n_threads=n_threads, flash_attn=flash_attn,
                            type_k=type_k, type_v=type_v, capture=self.capture, swa_full=True, lanes=lanes)  # fmt: skip
+        self.capture.lock = self.ctx.lock  # its wants are changed between steps, never during one
         self._free = list(range(lanes))
 
     def take(self) -> int:

@@ -1,6 +1,7 @@
-"""Admission: one request runs on the model at a time (one worker thread: llama.cpp already uses
-every core for one batch), a bounded number wait behind it, and past that a request is answered
-503 with Retry-After before anything is read into a cache."""
+"""Admission: `workers` requests run on the model at once, each on a worker thread (one without a
+pool: llama.cpp already uses every core for one batch; one per slot with a pool, whose decodes
+meet in one batch, engine.batcher), a bounded number wait behind them, and past that a request is
+answered 503 with Retry-After before anything is read into a cache."""
 
 from __future__ import annotations
 
@@ -21,17 +22,22 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, queue: int, on_reject: Callable[[], None]):
+    def __init__(self, queue: int, on_reject: Callable[[], None], workers: int = 1):
         self.queue = queue
         self.on_reject = on_reject
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlite-model")
-        self.active = 0  # requests admitted and not finished: one running, the rest waiting
+        self.workers = workers
+        self.worker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvlite-model")
+        self.active = 0  # requests admitted and not finished: up to `workers` running, the rest waiting
         self._lock = threading.Lock()
 
+    @property
+    def waiting(self) -> int:
+        return max(self.active - self.workers, 0)
+
     def enqueue(self) -> Ticket:
-        """Admit a request (one running, `queue` waiting), or answer 503 (before a stream starts)."""
+        """Admit a request (`workers` running, `queue` waiting), or answer 503 (before a stream starts)."""
         with self._lock:
-            if self.active > self.queue:
+            if self.active >= self.queue + self.workers:
                 self.on_reject()
                 raise ApiError(503, "the server is busy: try again shortly", kind="unavailable_error")
             self.active += 1
@@ -50,7 +56,7 @@ class Admission:
             self.active -= 1
 
     async def run(self, ticket: Ticket, job: Callable[[], Any]) -> Any:
-        """job on the worker thread, after the requests admitted before it (None: its request was
+        """job on a worker thread, after the requests admitted before it (None: its request was
         cancelled while it waited)."""
 
         def start():
@@ -68,5 +74,5 @@ class Admission:
                 self._leave()
 
     def close(self) -> None:
-        """Wait for the running job; the queued ones never start."""
+        """Wait for the running jobs; the queued ones never start."""
         self.worker.shutdown(wait=True, cancel_futures=True)

@@ -44,8 +44,8 @@ class ServeConfig:
             from ..engine import MAX_LANES
 
             check_int("--kv-cells", self.kv_cells, 1)
-            if self.slots >= MAX_LANES:  # one lane is kept spare for a slot file's conversation
-                raise KvliteError(f"--slots with --kv-cells must be under {MAX_LANES}, got {self.slots}")
+            if 2 * self.slots > MAX_LANES:  # two lanes a slot (Server._make_pool)
+                raise KvliteError(f"--slots with --kv-cells must be at most {MAX_LANES // 2}, got {self.slots}")
         if self.queue < 0:
             raise KvliteError(f"--queue must be 0 or more, got {self.queue}")
         if not 0 < self.port < 65536:

@@ -14,6 +14,7 @@ class Metrics:
         self.prompt_tokens = self.prefilled_tokens = self.completion_tokens = 0
         self.prefill_s = self.decode_s = 0.0
         self.parked = self.restored = 0  # conversations set aside in a pool, and brought back
+        self.waited = 0  # turns that waited for a pool's room while others ran
 
     def count(self, endpoint: str) -> None:
         with self.lock:
@@ -31,6 +32,10 @@ class Metrics:
         with self.lock:
             self.restored += 1
 
+    def wait(self) -> None:
+        with self.lock:
+            self.waited += 1
+
     def error(self) -> None:
         with self.lock:
             self.errors += 1
@@ -45,8 +50,9 @@ class Metrics:
             self.prefill_s += t["prefill_s"]
             self.decode_s += t["decode_s"]
 
-    def prometheus(self, waiting: int, slots: list[dict]) -> str:
-        """The counters, then per slot (slots: their /slots states) its cells, budget and evictions."""
+    def prometheus(self, waiting: int, slots: list[dict], steps: tuple[int, int] = (0, 0)) -> str:
+        """The counters, then per slot (slots: their /slots states) its cells, budget and evictions.
+        steps: a pool's decode steps and the decodes they carried (engine.batcher)."""
         with self.lock:
             by_endpoint = [(f'{{endpoint="{k}"}}', v) for k, v in sorted(self.requests.items())]
             rows = [
@@ -54,7 +60,7 @@ class Metrics:
                 ("requests_rejected_total", "counter", "Requests answered 503: the queue was full.",
                  [("", self.rejected)]),
                 ("errors_total", "counter", "Requests that failed inside the server (500).", [("", self.errors)]),
-                ("requests_waiting", "gauge", "Requests queued behind the one running.", [("", waiting)]),
+                ("requests_waiting", "gauge", "Requests queued behind the ones running.", [("", waiting)]),
                 ("prompt_tokens_total", "counter", "Prompt tokens of the requests answered.",
                  [("", self.prompt_tokens)]),
                 ("prefilled_tokens_total", "counter", "Prompt tokens prefilled (the rest came from a slot's cache).",
@@ -68,6 +74,11 @@ class Metrics:
                  "memory for another's turn (--kv-cells).", [("", self.parked)]),
                 ("conversations_restored_total", "counter", "Parked conversations restored for their next turn.",
                  [("", self.restored)]),
+                ("turns_waited_total", "counter", "Turns that waited for a pool's cells held by running turns.",
+                 [("", self.waited)]),
+                ("decode_steps_total", "counter", "llama_decode calls of a pool (--kv-cells).", [("", steps[0])]),
+                ("batched_decodes_total", "counter", "Decodes those steps carried: a step carries every "
+                 "conversation's that waits (continuous batching).", [("", steps[1])]),
             ]  # fmt: skip
         labelled = [(f'{{slot="{s["id"]}"}}', s) for s in slots]
         rows += [

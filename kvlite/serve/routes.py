@@ -216,6 +216,7 @@ async def slot_action(slot_id: str, request: Request, server: Served, action: st
 
 @llama.get("/metrics")
 async def metrics(server: Served):
-    waiting = max(server.active - 1, 0)
-    return PlainTextResponse(server.metrics.prometheus(waiting, [s.state() for s in server.slots]),
-                             media_type="text/plain; version=0.0.4")  # fmt: skip
+    batcher = server.pool.ctx.batcher if server.pool is not None else None
+    steps = (batcher.steps, batcher.jobs) if batcher is not None else (0, 0)
+    text = server.metrics.prometheus(server.admission.waiting, [s.state() for s in server.slots], steps)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

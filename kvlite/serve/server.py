@@ -1,13 +1,16 @@
 """The work behind the endpoints: a chat turn on the slot its messages continue, a completion on a
-fresh cache, the slot files, and the report each answer carries. Every model call runs on the
-admission's one worker thread."""
+fresh cache, the slot files, and the report each answer carries. Every model call runs on one of
+the admission's worker threads; with a pool, several turns run at once, each holding its slot and
+the cells its turn may take (Server.room)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..api import Conversation, Session
@@ -15,6 +18,7 @@ from ..engine import Model, Pool
 from ..errors import KvliteError
 from ..evict import chat_ctx, evict_mode
 from ..policies import make_policy
+from ..settings import RunSettings, plan_context
 from .admission import Admission
 from .config import ServeConfig
 from .metrics import Metrics
@@ -116,9 +120,13 @@ class Server:
         self.model = model
         self.load_error: str | None = None
         self.metrics = Metrics()
-        self.admission = Admission(cfg.queue, self.metrics.reject)
+        # A pool's turns run at once, one a slot (their decodes batched); without one, one at a time
+        self.admission = Admission(cfg.queue, self.metrics.reject, cfg.slots if cfg.kv_cells else 1)
         self.slot_table = Slots(cfg.slots)
         self.pool = self._make_pool() if model is not None else None  # loaded: load()
+        # Taken to choose a slot, hold it, and give a turn its room in the pool; waited on for either.
+        self.room = threading.Condition()
+        self.reserved: dict[object, int] = {}  # slot id (or a completion's key) -> the cells it may hold at most
         self.stopping = False  # set by close(): every job's `cancelled` turns True
         self.started = time.time()
         self.default_sampling = cfg.settings.sampling
@@ -151,12 +159,13 @@ class Server:
             self.load_error = f"the model could not be loaded ({type(e).__name__}: {e})"
 
     def _make_pool(self) -> Pool | None:
-        """--kv-cells: the one context every slot's conversation shares. One lane beyond the slots: a
-        slot file's conversation is made before the one it replaces is let go."""
+        """--kv-cells: the one context every slot's conversation shares. Two lanes a slot: one for its
+        conversation, one for what its worker may run beside (a completion, or a slot file's
+        conversation, made before the one it replaces is let go)."""
         if self.cfg.kv_cells is None:
             return None
         s = self.cfg.settings
-        return Pool(self.model, self.cfg.kv_cells, self.cfg.slots + 1, n_batch=s.chunk, n_threads=s.n_threads,
+        return Pool(self.model, self.cfg.kv_cells, 2 * self.cfg.slots, n_batch=s.chunk, n_threads=s.n_threads,
                     flash_attn=s.flash_attn, type_k=s.type_k, type_v=s.type_v)  # fmt: skip
 
     def not_ready(self) -> ApiError:
@@ -173,48 +182,108 @@ class Server:
                               f"{self.pool.ctx.n_ctx}: raise --kv-cells or lower -c")  # fmt: skip
         return conv
 
-    def _room(self, slot: Slot, new: list[dict], n_predict: int) -> None:
-        """In a pool, the cells this turn may take (what the conversation holds, its new tokens, the
-        reply and a lookahead's, up to its cap) made free by parking the least recently used other
-        conversations in host memory; then the slot's own, if parked, restored."""
+    def _need(self, slot: Slot, new: list[dict], n_predict: int) -> int:
+        """The most cells the slot's turn may hold: what the conversation holds, its new tokens, the
+        reply and a lookahead's, up to its cap."""
         conv = slot.conversation
-        runner = conv.runner
-        held = slot.parked[0].cells if slot.parked else runner.cache.n_cells
-        need = min(conv.cap, held + conv.pending_tokens(new) + n_predict) + runner.policy.lookahead_cells()
-        self._park_for(need - (0 if slot.parked else held), keep=slot)
-        if slot.parked:
+        held = slot.parked[0].cells if slot.parked else conv.runner.cache.n_cells
+        return min(conv.cap, held + conv.pending_tokens(new) + n_predict) + conv.runner.policy.lookahead_cells()
+
+    def _admit(self, need: int, slot: Slot | None) -> None:
+        """Wait (holding self.room) until `need` of the pool's cells are the turn's: the turns running
+        keep what they reserved, and the other conversations are parked in host memory, least
+        recently used first, as far as it takes (slot: the turn's own, which stays; None: any may
+        go). Then the slot's own conversation, if parked, is restored. A turn that needs more than
+        the pool minus the running turns waits for them to end; each fits alone (Server._conversation)."""
+        waited = False
+        while True:
+            others = [s for s in self.slots if s is not slot and s.id not in self.reserved]
+            room = self.pool.ctx.n_ctx - sum(self.reserved.values()) - sum(s.resident for s in others)
+            parkable = sorted((s for s in others if s.resident), key=lambda s: s.last_used)
+            while room < need and parkable:
+                other = parkable.pop(0)
+                room += other.resident
+                other.park()
+                self.metrics.park()
+            if room >= need:
+                break
+            if not waited:
+                waited = True
+                self.metrics.wait()
+            self.room.wait()
+        if slot is not None and slot.parked:
             slot.unpark()
             self.metrics.restore()
 
-    def _park_for(self, need: int, keep: Slot | None) -> None:
-        """Park the least recently used conversations but `keep` until `need` of the pool's cells are free."""
-        others = sorted((s for s in self.slots if s is not keep and s.resident), key=lambda s: s.last_used)
-        while self.pool.ctx.free_cells() < need and others:
-            others.pop(0).park()
-            self.metrics.park()
+    @contextlib.contextmanager
+    def _hold(self, slot: Slot) -> Iterator[None]:
+        """The slot for this request alone (a slot file's), after the request that has it; in a pool,
+        with the cells it holds reserved (no other request parks it meanwhile)."""
+        with self.room:
+            while slot.busy:
+                self.room.wait()
+            slot.busy = True
+            if self.pool is not None:
+                self.reserved[slot.id] = slot.resident
+        try:
+            yield
+        finally:
+            with self.room:
+                self._let_go(slot)
+
+    def _let_go(self, slot: Slot) -> None:
+        slot.busy = False
+        self.reserved.pop(slot.id, None)
+        self.room.notify_all()
+
+    @contextlib.contextmanager
+    def _turn_slot(self, messages: list[dict], req: Ask) -> Iterator[tuple[Slot, list[dict]]]:
+        """The slot whose conversation the messages continue (else a free or the least recently used
+        one) and the messages it has not read, held for this request with room for its turn."""
+        with self.room:
+            while self.slot_table.busy_with(req.conversation_id):  # the same conversation's last request
+                self.room.wait()
+            try:  # a policy the chat modes cannot run is refused here
+                key = slot_key(req.policy, evict_mode(self.cfg.evict, req.policy))
+                slot, new = self.slot_table.pick(messages, key, req.conversation_id,
+                                                 lambda: self._conversation(req.policy, self.cfg.evict))  # fmt: skip
+            except KvliteError as e:
+                raise ApiError(400, str(e)) from None
+            slot.busy = True
+            try:
+                if self.pool is not None:
+                    need = self._need(slot, new, req.n_predict)
+                    self._admit(need, slot)
+                    self.reserved[slot.id] = need
+            except KvliteError as e:
+                self._let_go(slot)
+                raise ApiError(400, str(e)) from None
+            except BaseException:
+                self._let_go(slot)
+                raise
+        try:
+            yield slot, new
+        finally:
+            with self.room:
+                self._let_go(slot)
 
     # -- chat -------------------------------------------------------------------------------------
     def chat(self, messages: list[dict], req: Ask, on_text: Callable[[str], None] | None,
              cancelled: Callable[[], bool]) -> Result:  # fmt: skip
         if self.model.chat_template is None:
             raise ApiError(400, f"{self.model.path.name} has no chat template: use /v1/completions")
-        try:  # a policy the chat modes cannot run is refused here
-            key = slot_key(req.policy, evict_mode(self.cfg.evict, req.policy))
-            slot, new = self.slot_table.pick(messages, key, req.conversation_id,
-                                             lambda: self._conversation(req.policy, self.cfg.evict))  # fmt: skip
-        except KvliteError as e:
-            raise ApiError(400, str(e)) from None
+        with self._turn_slot(messages, req) as (slot, new):
+            return self._chat_turn(slot, new, req, on_text, cancelled)
+
+    def _chat_turn(self, slot: Slot, new: list[dict], req: Ask, on_text: Callable[[str], None] | None,
+                   cancelled: Callable[[], bool]) -> Result:  # fmt: skip
         conv = slot.conversation
         runner = conv.runner
-        if self.pool is not None:
-            try:
-                self._room(slot, new, req.n_predict)
-            except KvliteError as e:
-                raise ApiError(400, str(e)) from None
         runner.use_sampling(req.sampling)
         before = runner.mark()
         stops = StopFilter(req.stop)
-        with runner.cache.peak_within() as peak:  # this request's peak; max_cells stays the slot's
+        first_come = self.pool.ctx.batcher.turn(runner.cache.lane) if self.pool else contextlib.nullcontext()
+        with runner.cache.peak_within() as peak, first_come:  # this request's peak; max_cells stays the slot's
             try:
                 reply, stopped = conv.turn(new, req.n_predict, stops.around(on_text),
                                            lambda: cancelled() or stops.hit, progress=False)  # fmt: skip
@@ -244,16 +313,43 @@ class Server:
         settings = dataclasses.replace(self.cfg.settings, sampling=req.sampling,
                                        n_ctx=chat_ctx(self.cfg.settings.n_ctx, req.policy))  # fmt: skip
         stops = StopFilter(req.stop)
-        try:
-            session = Session(self.model, req.policy, settings)
-            g = session.generate(prompt, req.n_predict, on_text=stops.around(on_text),
-                                 interrupted=lambda: cancelled() or stops.hit)  # fmt: skip
-        except KvliteError as e:
-            raise ApiError(400, str(e)) from None
+        with self._completion_room(prompt, req, settings):
+            try:
+                session = Session(self.model, req.policy, settings, pool=self.pool)
+                g = session.generate(prompt, req.n_predict, on_text=stops.around(on_text),
+                                     interrupted=lambda: cancelled() or stops.hit)  # fmt: skip
+            except KvliteError as e:
+                raise ApiError(400, str(e)) from None
         stops.finish(on_text)
         info = report(repr(req.policy), g.cache, g.timings, g.prompt_tokens, g.prompt_tokens, g.cache["max_cells"])
         return Result(stops.cut(g.text), "stop" if stops.hit else finish_reason(g.stopped), g.prompt_tokens,
                       g.generated_tokens, info)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _completion_room(self, prompt: str, req: Ask, settings: RunSettings) -> Iterator[None]:
+        """In a pool, the cells a completion may hold (its prompt, its reply and a lookahead's, up to
+        the context planned for it) reserved for it while it runs, on a lane of its own."""
+        if self.pool is None:
+            yield
+            return
+        try:
+            n_tokens = len(self.model.tokenize(prompt, add_special=True, parse_special=False))
+            n_ctx, _ = plan_context(req.policy, settings.n_ctx, n_tokens, req.n_predict, settings.chunk)
+        except KvliteError as e:
+            raise ApiError(400, str(e)) from None
+        if n_ctx > self.pool.ctx.n_ctx:
+            raise ApiError(400, f"a completion's context of {n_ctx} cells (-c) does not fit in --kv-cells "
+                           f"{self.pool.ctx.n_ctx}: raise --kv-cells or lower -c")  # fmt: skip
+        key, need = object(), min(n_ctx, n_tokens + req.n_predict + req.policy.lookahead_cells())
+        with self.room:
+            self._admit(need, None)
+            self.reserved[key] = need  # no slot: a key of its own
+        try:
+            yield
+        finally:
+            with self.room:
+                del self.reserved[key]
+                self.room.notify_all()
 
     # -- slot files -------------------------------------------------------------------------------
     def _slot_file(self, filename: Any) -> pathlib.Path:
@@ -265,11 +361,12 @@ class Server:
         """The slot's conversation to a file: llama.cpp's state blob of its sequence and what kvlite
         knows beside it (which positions are resident, the messages, the policy)."""
         slot, path = self.slot_table[slot_id], self._slot_file(filename)
-        if slot.conversation is None or not slot.conversation.messages:
-            raise ApiError(400, f"slot {slot_id} holds no conversation")
-        t0 = time.perf_counter()
-        n = write_slot_file(path, slot, self.model)
-        ms = (time.perf_counter() - t0) * 1000
+        with self._hold(slot):
+            if slot.conversation is None or not slot.conversation.messages:
+                raise ApiError(400, f"slot {slot_id} holds no conversation")
+            t0 = time.perf_counter()
+            n = write_slot_file(path, slot, self.model)
+            ms = (time.perf_counter() - t0) * 1000
         return {"id_slot": slot_id, "filename": path.name, "n_saved": n, "n_written": path.stat().st_size,
                 "timings": {"save_ms": ms}}  # fmt: skip
 
@@ -278,32 +375,43 @@ class Server:
         t0 = time.perf_counter()
         saved = read_slot_file(path, self.cfg.slot_save_path, self.model)
         meta = saved.meta
-        try:
-            policy = make_policy(meta["policy"], **meta["params"])
-            conv = self._conversation(policy, meta["evict"])
-            here = cache_layout(conv.runner.ctx)
-            if meta["cache"] != here:  # llama.cpp would load a rotated cache into an unrotated one without a word
-                conv.runner.close()
-                raise ApiError(400, f"{path.name} holds a {describe_layout(meta['cache'])} cache; this server's is "
-                               f"{describe_layout(here)}")  # fmt: skip
-            snap = saved.snapshot(conv.runner.cache.hidden_layer)
-            if self.pool is not None:  # its cells, from others parked if need be (the slot's own too)
-                self._park_for(snap.cells, keep=None)
-            conv.resume(snap, meta["messages"], meta["rendered"], meta["evicted"])
-        except (KvliteError, KeyError, TypeError, ValueError) as e:
-            raise ApiError(400, f"{path.name} cannot be restored: {e}") from None
-        slot.hold(conv, slot_key(policy, conv.evict), meta["conversation_id"])
-        slot.last_used = time.time()
+        with self._hold(slot):
+            conv = None
+            try:
+                policy = make_policy(meta["policy"], **meta["params"])
+                with self.room:
+                    conv = self._conversation(policy, meta["evict"])
+                here = cache_layout(conv.runner.ctx)
+                if meta["cache"] != here:  # llama.cpp would load a rotated cache into an unrotated one without a word
+                    raise ApiError(400, f"{path.name} holds a {describe_layout(meta['cache'])} cache; this server's "
+                                   f"is {describe_layout(here)}")  # fmt: skip
+                snap = saved.snapshot(conv.runner.cache.hidden_layer)
+                if self.pool is not None:  # its cells, beside the conversation it replaces, others parked
+                    with self.room:
+                        self._admit(snap.cells, None)
+                        self.reserved[slot.id] += snap.cells
+                conv.resume(snap, meta["messages"], meta["rendered"], meta["evicted"])
+            except BaseException as e:
+                if conv is not None:
+                    with self.room:
+                        conv.runner.close()
+                if isinstance(e, (KvliteError, KeyError, TypeError, ValueError)):
+                    raise ApiError(400, f"{path.name} cannot be restored: {e}") from None
+                raise
+            with self.room:
+                slot.hold(conv, slot_key(policy, conv.evict), meta["conversation_id"])
+            slot.last_used = time.time()
         ms = (time.perf_counter() - t0) * 1000
         return {"id_slot": slot_id, "filename": path.name, "n_restored": len(snap.tokens),
                 "n_read": path.stat().st_size, "timings": {"restore_ms": ms}}  # fmt: skip
 
     def erase_slot(self, slot_id: int) -> dict:
         slot = self.slot_table[slot_id]
-        n = slot.conversation.runner.cache.n_pos if slot.conversation else 0
-        if slot.parked:
-            n = len(slot.parked[0].tokens)
-        slot.start_over(None)
+        with self._hold(slot):
+            n = slot.conversation.runner.cache.n_pos if slot.conversation else 0
+            if slot.parked:
+                n = len(slot.parked[0].tokens)
+            slot.start_over(None)
         return {"id_slot": slot_id, "n_erased": n}
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ class Slot:
     # In a pool (--kv-cells): the conversation's cache set aside in host memory to give its cells to
     # another, and how many positions it had evicted; restored when the slot is next used.
     parked: tuple[Snapshot, int] | None = None
+    busy: bool = False  # a request has it (Server.room)
 
     @property
     def resident(self) -> int:
@@ -63,6 +64,7 @@ class Slot:
         cache = conv.runner.cache if conv else None
         return {
             "id": self.id,
+            "is_processing": self.busy,
             "parked": self.parked is not None,
             "conversation_id": self.conversation_id,
             "policy": repr(conv.runner.policy) if conv else None,
@@ -112,16 +114,22 @@ class Slots:
             raise ApiError(400, f"no slot {slot_id}: the slots are 0..{len(self.all) - 1}")
         return self.all[slot_id]
 
+    def busy_with(self, conversation_id: str | None) -> bool:
+        """Whether a request holds the slot of this conversation (None: none named)."""
+        return conversation_id is not None and any(s.busy and s.conversation_id == conversation_id for s in self.all)
+
     def pick(self, messages: list[dict], key: str, conversation_id: str | None,
              start: Callable[[], Conversation]) -> tuple[Slot, list[dict]]:  # fmt: skip
         """The slot whose conversation the messages extend (longest match), else the free or least
         recently used one, started over (start: a new conversation under the request's policy).
-        Returns it and the messages it has not read."""
+        Slots another request holds are not candidates (there is always one free: a request at
+        most holds one). Returns it and the messages it has not read."""
+        idle = [s for s in self.all if not s.busy]
         if conversation_id is not None:
-            slot = next((s for s in self.all if s.conversation_id == conversation_id), None)
+            slot = next((s for s in idle if s.conversation_id == conversation_id), None)
             candidates = [slot] if slot else []
         else:
-            candidates = self.all
+            candidates = idle
 
         def extends(s: Slot) -> bool:
             held = s.messages
@@ -134,7 +142,7 @@ class Slots:
         if conversation_id is not None and candidates:
             slot = candidates[0]  # its conversation, started over
         else:
-            slot = min(self.all, key=lambda s: (s.conversation is not None, s.last_used))  # free, else LRU
+            slot = min(idle, key=lambda s: (s.conversation is not None, s.last_used))  # free, else LRU
         if slot.conversation is not None and slot.key == key:
             slot.start_over(conversation_id)
         else:
