@@ -32,6 +32,12 @@ from ..native import native
 WAIT_S = 0.003  # a decode step of SmolLM2 on 2 cores takes 10-30 ms; sampling a token well under 1
 
 
+def decode_failed(rc: int, position: int) -> KvliteError:
+    """What a llama_decode that returned rc says, at the first position of its batch."""
+    reason = {1: "no free cell in the KV cache (context full)", 2: "aborted"}.get(rc, "error")
+    return KvliteError(f"llama_decode failed ({rc}: {reason}) at position {position}")
+
+
 @dataclasses.dataclass
 class Job:
     """One thread's decode of at most n_batch tokens on one sequence, or a call to run alone on the
@@ -202,5 +208,4 @@ class Batcher:
             for j in batch:
                 self._step([j])
             return
-        reason = {1: "no free cell in the KV cache (context full)", 2: "aborted"}.get(rc, "error")
-        batch[0].error = KvliteError(f"llama_decode failed ({rc}: {reason}) at position {batch[0].positions[0]}")
+        batch[0].error = decode_failed(rc, batch[0].positions[0])

@@ -20,7 +20,7 @@ from ..errors import KvliteError
 from ..limits import DEFAULT_CHUNK
 from ..native import default_threads, native
 from . import cachetypes, kvstate
-from .batcher import Batcher, Job
+from .batcher import Batcher, Job, decode_failed
 from .capture import Capture, PoolCapture
 from .model import LOG_BUFFERS, LOG_ERRORS, Model, logged_buffers
 from .sampling import Sampler
@@ -219,8 +219,7 @@ class Context:
             with self.lock:
                 rc = L.llama_decode(self.ptr, b)
             if rc != 0:
-                reason = {1: "no free cell in the KV cache (context full)", 2: "aborted"}.get(rc, "error")
-                raise KvliteError(f"llama_decode failed ({rc}: {reason}) at position {positions[start]}")
+                raise decode_failed(rc, positions[start])
 
     def logits(self, i: int = -1) -> np.ndarray:
         """A copy of the logits of row i of the last decode's final piece (-1: its last row; in a
