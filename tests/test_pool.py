@@ -6,6 +6,7 @@ export of every sequence, not against kvlite's bookkeeping."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -300,3 +301,37 @@ def test_a_dropped_context_frees_its_cells_at_once(tiny_model):
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_the_schedule_is_first_come_first_served_by_turn(tiny_model):
+    """A step takes the waiting decodes by when their turn began, each that still fits: an older
+    turn's prefill chunk goes before a newer turn's, the generating lanes' tokens ride along, and a
+    decode asked before a turn began (outside any turn) is not passed by it."""
+    from kvlite.engine.batcher import Job
+
+    pool = Pool(tiny_model, n_cells=256, lanes=3, n_batch=32)
+    batcher, room = pool.ctx.batcher, pool.ctx.n_batch  # a chunk of 32 and a token a lane
+    chunk = [7] * 32
+    early = Job(tokens=chunk, seq_id=4)  # lane 2, asked before either turn began
+    token = Job(tokens=[9], seq_id=4)
+    with batcher.turn(0):
+        time.sleep(0.002)
+        with batcher.turn(1):
+            newer, older = Job(tokens=chunk, seq_id=2), Job(tokens=chunk, seq_id=0)  # asked in that order
+            assert batcher.pick([newer, token, older], room) == [token, older]
+            assert batcher.pick([newer, older, early], room) == [early]
+            assert batcher.pick([Job(call=lambda: None), newer, older], room) == [older]
+        assert batcher.pick([newer, token], room) == [token, newer]  # turn 0 is over
+    pool.close()
+
+
+def test_a_model_closes_its_contexts_first(tiny_path):
+    """llama_free reads the context's model, so a model frees its live contexts before itself: at
+    interpreter exit the garbage collector finalizes the two in any order (on Vulkan, a page-guard
+    allocator caught llama_free reading the freed model)."""
+    model = Model(tiny_path)
+    ctx = Context(model, n_ctx=64, n_batch=16)
+    KVCache(ctx).append([5, 6, 7])
+    model.close()
+    assert ctx.ptr is None and model.ptr is None
+    ctx.close()  # and again: nothing left to free

@@ -141,11 +141,7 @@ class Batcher:
                     deadline = time.perf_counter() + WAIT_S
                     while not self.last_lanes <= {j.lane for j in self.queue} and time.perf_counter() < deadline:
                         self.cond.wait(deadline - time.perf_counter())
-                    batch, n = [], 0
-                    for j in sorted(self.queue, key=lambda j: self.turns.get(j.lane, j.at)):
-                        if j.call is None and n + len(j.tokens) <= self.ctx.n_batch:
-                            batch.append(j)
-                            n += len(j.tokens)
+                    batch = self.pick(self.queue, self.ctx.n_batch)
                     for j in batch:
                         self.queue.remove(j)
             if batch[0].call is not None:
@@ -168,6 +164,16 @@ class Batcher:
                     j.done = True
                 self.last_lanes = {j.lane for j in batch}
                 self.cond.notify_all()
+
+    def pick(self, queue: Sequence[Job], n_batch: int) -> list[Job]:
+        """The decodes of the next step: the waiting ones by when their turn began (a decode outside
+        a turn: when it was asked), each that still fits in n_batch tokens."""
+        batch, n = [], 0
+        for j in sorted(queue, key=lambda j: self.turns.get(j.lane, j.at)):
+            if j.call is None and n + len(j.tokens) <= n_batch:
+                batch.append(j)
+                n += len(j.tokens)
+        return batch
 
     def _step(self, batch: list[Job]) -> None:
         """One llama_decode for the jobs (each alone, should the batch not find its cells)."""

@@ -152,6 +152,7 @@ class Context:
         if not self.ptr:
             detail = LOG_ERRORS[-1] if LOG_ERRORS else "out of memory?"
             raise KvliteError(f"llama.cpp could not create a {n_ctx}-token context: {detail}")
+        model.contexts.add(self)
         self.n_ctx = L.llama_n_ctx(self.ptr)
         self.n_batch = p.n_batch
         self.mem = L.llama_get_memory(self.ptr)

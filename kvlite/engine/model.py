@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import pathlib
+import weakref
 from collections.abc import Sequence
 
 import llama_cpp as L
@@ -84,9 +85,14 @@ class Model:
         self.vocab = L.llama_model_get_vocab(self.ptr)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.path = pathlib.Path(path)
+        # A llama_context reads its model when it is freed, so the contexts go first. At interpreter
+        # exit the garbage collector finalizes a model and its contexts in any order.
+        self.contexts: weakref.WeakSet = weakref.WeakSet()
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
+            for ctx in list(getattr(self, "contexts", ())):
+                ctx.close()
             L.llama_model_free(self.ptr)
             self.ptr = None
 
