@@ -151,7 +151,18 @@ def _policy_from_args(args):
             raise KvliteError("give the cache size with --cache or --budget, not both")
         args.budget, args.mode = args.cache, "chunked"
     check_budget(args.policy, args.budget)
-    return make_policy(args.policy, **{name: getattr(args, name) for name in ALL_PARAMS})
+    policy = make_policy(args.policy, **{name: getattr(args, name) for name in ALL_PARAMS})
+    _note_small_budget(policy)
+    return policy
+
+
+def _note_small_budget(policy) -> None:
+    from .policies.lookahead import MIN_ANSWERING_BUDGET
+
+    if policy.name != "full" and policy.mode == "prefill-end" and policy.budget < MIN_ANSWERING_BUDGET:
+        print(f"kvlite: note: under {MIN_ANSWERING_BUDGET} cells no policy kept most answers on the test split "
+              f"(docs/results.md, small budgets); from {MIN_ANSWERING_BUDGET} up use echokv or laq",
+              file=sys.stderr)  # fmt: skip
 
 
 def _settings_from_args(args):

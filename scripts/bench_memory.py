@@ -60,7 +60,8 @@ def generate_peak(prompt_file: str, *flags: str) -> dict:
             time.sleep(0.05)
         if proc.returncode != 0:
             err.seek(0)
-            raise SystemExit(f"{' '.join(cmd)} failed: {err.read().decode().strip()}")
+            why = err.read().decode().strip() or f"exit status {proc.returncode} (negative: killed by that signal)"
+            raise SystemExit(f"{' '.join(cmd)} failed: {why}")
         out.seek(0)
         result = json.loads(out.read())
     result["peak_rss_mb"] = peak_kb / 1024

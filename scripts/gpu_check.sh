@@ -15,8 +15,9 @@
 # fixtures (not the slow ones, whose models do not travel) with all layers and kvlite's kernels on
 # the device; then eviction's speed and memory on random-weight GGUFs of real shapes written there
 # (scripts/bench_shapes.py).
-# Each stage leaves a mark in $OUT, so running the same command again resumes after the last stage
-# that finished (the build directory and the venv are kept on a warm machine).
+# Each stage leaves a mark in build/gpu-check-KIND/out, which a warm machine keeps between calls (the
+# device tool's $OUT is new each call), so the same command again resumes after the last stage that
+# finished; what that folder holds is copied into $OUT after each stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -58,9 +59,11 @@ pack() {  # $1: DIR
 }
 
 check() {  # $1: DIR, $2: venv (made, with numpy, torch, pytest, hypothesis visible), $3: cpu|cuda, $4: out
-  local dir=$1 venv=$2 kind=$3 out=$4 work src arch
+  local dir=$1 venv=$2 kind=$3 work src arch
   work=$root/build/gpu-check-$kind
-  mkdir -p "$work" "$out"
+  ret=$4 out=$work/out  # out is kept between calls; ret gets a copy after each stage and at exit
+  mkdir -p "$work" "$out" "$ret"
+  trap 'cp -a "$out/." "$ret/"' EXIT
   src=$work/kvlite
   # shellcheck disable=SC1091
   . "$venv/bin/activate"
@@ -72,7 +75,11 @@ check() {  # $1: DIR, $2: venv (made, with numpy, torch, pytest, hypothesis visi
     rm -rf "$src" && tar xzf "$dir/kvlite.tar.gz" -C "$work"
     [ -d "$work/llama_cpp_python-$LCP" ] || tar xzf "$dir/llama-cpp-python.tar.gz" -C "$work"
     pip install -q scikit-build-core pathspec packaging
-    local cmake="-DGGML_RPC=ON -DLLAVA_BUILD=OFF"
+    # --exclude-libs: a toolchain that links libstdc++ statically (the GPU machine's did) otherwise
+    # exports its std:: symbols from libggml-cuda, and since llama-cpp-python loads its libraries
+    # RTLD_GLOBAL, torch's and numpy's C++ then run on that copy: free(): invalid pointer in
+    # std::locale's destructor the moment torch is imported (docs/gpu.md).
+    local cmake="-DGGML_RPC=ON -DLLAVA_BUILD=OFF -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--exclude-libs,ALL"
     if [ "$kind" = cuda ]; then  # this GPU's architecture only (9.0 -> 90): minutes, not the hour of all
       arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d '. ')
       cmake="$cmake -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${arch:-native}"
@@ -83,8 +90,16 @@ check() {  # $1: DIR, $2: venv (made, with numpy, torch, pytest, hypothesis visi
     # shellcheck disable=SC2086
     pip install -q $NEEDS
     pip install -q --no-build-isolation --no-deps "$src"
-    kvlite --version && touch "$out/built"
+    kvlite --version
+    local lib leaked=""
+    lib=$(python -c "import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / 'lib')")
+    for f in "$lib"/*.so*; do
+      nm -D --defined-only "$f" 2>/dev/null | grep -q ' _ZNSt6locale' && leaked="$leaked $(basename "$f")"
+    done
+    [ -z "$leaked" ] || { echo "gpu_check: libstdc++ is exported from$leaked (linked statically, not hidden)"; exit 1; }
+    touch "$out/built"
   fi
+  cp -a "$out/." "$ret/"
   cd "$src"
   step "kvlite info (devices, kernels_on) on a tiny fixture (the default model does not travel)"
   python -c "from kvlite.reference.tiny_gguf import write_tiny_gguf as w; w('$work/tiny.gguf')"
@@ -100,6 +115,7 @@ check() {  # $1: DIR, $2: venv (made, with numpy, torch, pytest, hypothesis visi
       touch "$out/tests-passed"
     fi
   fi
+  cp -a "$out/." "$ret/"
   step "eviction's speed and memory on random-weight GGUFs of real shapes"
   if [ "$kind" = cuda ]; then
     python scripts/bench_shapes.py --shapes "${SHAPES:-smollm2-135m,llama3.2-1b}" --lengths 8192,32768 \
@@ -130,7 +146,8 @@ case "${1:-}" in
       rm -rf "$root/build/gpu-check-cpu" && mkdir -p "$root/build/gpu-check-cpu"
       echo "$sha" > "$root/build/gpu-check-cpu/sdist.sha256"
     fi
-    rm -rf "$venv" "$out"/* && python3 -m venv "$venv"
+    # A clean venv, so no stage is taken as done.
+    rm -rf "$venv" "$out"/* "$root/build/gpu-check-cpu/out" && python3 -m venv "$venv"
     # Like `python3 -m venv --system-site-packages` on the GPU machine: the base's packages are visible.
     "$base/bin/python" -c "import site; print(site.getsitepackages()[0])" \
       > "$("$venv/bin/python" -c "import site; print(site.getsitepackages()[0])")/gpu-machine-base.pth"
@@ -150,7 +167,14 @@ case "${1:-}" in
       || { echo "no nvidia-smi: not a CUDA machine"; exit 1; }
     nvcc --version | tail -1
     venv=$root/.venv-gpu
-    [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv --system-site-packages "$venv"
+    py=${PYTHON:-python3}
+    if [ ! -x "$venv/bin/python" ]; then
+      "$py" -m venv --system-site-packages "$venv"
+      # That machine's python3 is itself a venv (/opt/torch/.venv, with numpy and torch), whose
+      # packages --system-site-packages does not reach: a .pth does.
+      "$py" -c "import site; print(site.getsitepackages()[0])" \
+        > "$("$venv/bin/python" -c "import site; print(site.getsitepackages()[0])")/gpu-machine-base.pth"
+    fi
     check "$dir" "$venv" cuda "$out"
     ;;
 esac

@@ -16,6 +16,9 @@ from .base import param
 from .observe import Observation
 
 SMALL_BUDGET = 128  # below it EchoKV smooths with LAQ's max-pool of 7 (the tune split at 64 cells)
+# The smallest budget at which a policy kept answers on the test split (64 cells and 1% of 2K and
+# 4K prompts, docs/results.md): under it the CLI says so.
+MIN_ANSWERING_BUDGET = 64
 
 
 @dataclasses.dataclass
