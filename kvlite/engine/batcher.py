@@ -38,6 +38,19 @@ def decode_failed(rc: int, position: int) -> KvliteError:
     return KvliteError(f"llama_decode failed ({rc}: {reason}) at position {position}")
 
 
+def fill_batch(b, at: int, tokens: Sequence[int], positions: Sequence[int], seq_id: int, logits: str) -> int:
+    """Write tokens on one sequence into llama_batch b from row `at` on; logits: "all", "last" or
+    "none", the rows llama.cpp keeps logits for. Returns the row after them."""
+    n = len(tokens)
+    for k in range(n):
+        b.token[at + k] = tokens[k]
+        b.pos[at + k] = positions[k]
+        b.n_seq_id[at + k] = 1
+        b.seq_id[at + k][0] = seq_id
+        b.logits[at + k] = logits == "all" or (logits == "last" and k == n - 1)
+    return at + n
+
+
 @dataclasses.dataclass
 class Job:
     """One thread's decode of at most n_batch tokens on one sequence, or a call to run alone on the
@@ -56,7 +69,7 @@ class Job:
 
     @property
     def lane(self) -> int:
-        return self.seq_id // 2  # context.lane_of, without the import cycle
+        return self.seq_id // 2  # context.lane_seqs' inverse
 
 
 class Batcher:
@@ -181,14 +194,7 @@ class Batcher:
         b = ctx._batch
         i = 0
         for j in batch:
-            n = len(j.tokens)
-            for k in range(n):
-                b.token[i] = j.tokens[k]
-                b.pos[i] = j.positions[k]
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = j.seq_id
-                b.logits[i] = j.logits == "all" or (j.logits == "last" and k == n - 1)
-                i += 1
+            i = fill_batch(b, i, j.tokens, j.positions, j.seq_id, j.logits)
         b.n_tokens = i
         capture = ctx.capture
         with ctx.lock:

@@ -20,7 +20,7 @@ from ..errors import KvliteError
 from ..limits import DEFAULT_CHUNK
 from ..native import default_threads, native
 from . import cachetypes, kvstate
-from .batcher import Batcher, Job, decode_failed
+from .batcher import Batcher, Job, decode_failed, fill_batch
 from .capture import Capture, PoolCapture
 from .model import LOG_BUFFERS, LOG_ERRORS, Model, logged_buffers
 from .sampling import Sampler
@@ -35,11 +35,6 @@ LIVE, WORKSPACE = 0, 1
 def lane_seqs(lane: int) -> tuple[int, int]:
     """The (live, workspace) sequence ids of a pool's lane `lane`."""
     return 2 * lane, 2 * lane + 1
-
-
-def lane_of(seq_id: int) -> int:
-    """The lane a sequence id belongs to (lane_seqs' inverse)."""
-    return seq_id // 2
 
 
 _NOTED: set[tuple[str, int]] = set()
@@ -210,13 +205,7 @@ class Context:
                 self._rows.last = (end - start - len(rows) if rows is not None else 0, rows)
                 continue
             b = self._batch
-            b.n_tokens = end - start
-            for j, i in enumerate(range(start, end)):
-                b.token[j] = tokens[i]
-                b.pos[j] = positions[i]
-                b.n_seq_id[j] = 1
-                b.seq_id[j][0] = seq_id
-                b.logits[j] = mode == "all" or (mode == "last" and i == n - 1)
+            b.n_tokens = fill_batch(b, 0, tokens[start:end], positions[start:end], seq_id, mode)
             with self.lock:
                 rc = L.llama_decode(self.ptr, b)
             if rc != 0:
