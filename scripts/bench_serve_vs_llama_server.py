@@ -105,6 +105,12 @@ def settings(args) -> dict:
     return {"cells": args.cells, "budget": args.budget, "evict": args.evict, "threads": args.threads}
 
 
+def same_settings(row: dict, args) -> bool:
+    """llama-server's rows hold whatever kvlite's budget and eviction mode were."""
+    kvlite_only = ("budget", "evict") if row["config"].startswith("llama-server") else ()
+    return all(row.get(k) == v for k, v in settings(args).items() if k not in kvlite_only)
+
+
 def run(config: str, n: int, samples: list[tasks.Sample], args) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -168,6 +174,10 @@ def plot(rows: list[dict], path: pathlib.Path, cells: int) -> None:
     a.set(xlabel="conversations at once", ylabel="generated tok/s", xscale="log", title="throughput")
     b.set(xlabel="conversations at once", ylabel="questions answered", xscale="log", ylim=(-0.05, 1.05),
           title=f"accuracy (pools of {cells} cells; -full: N x {CTX})")  # fmt: skip
+    ns = sorted({r["clients"] for r in rows})
+    for ax in (a, b):
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.minorticks_off()
     a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -188,7 +198,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows_path = out / "rows.jsonl"
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
-    rows = [r for r in rows if all(r.get(k) == v for k, v in settings(args).items())]
+    rows = [r for r in rows if same_settings(r, args)]
     if not args.plot_only:
         build = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_server.sh")], capture_output=True,
                                text=True)  # fmt: skip

@@ -23,3 +23,24 @@ def test_gpu_check_usage(args):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], capture_output=True, text=True,
                           timeout=30)  # fmt: skip
     assert proc.returncode == 2 and "usage: bash scripts/gpu_check.sh" in proc.stderr, proc.stderr
+
+
+def test_serve_bench_shows_llama_server_beside_either_eviction_mode(tmp_path):
+    """--plot-only reads the rows there: llama-server's whatever kvlite's --evict, kvlite's of this one."""
+    import json
+    import sys
+
+    common = {"cells": 4096, "budget": 256, "threads": 2, "started": True, "turns": 3, "failed_turns": 0,
+              "accuracy": 0.5, "tok_s": 1.0, "latency_p50_s": 1.0, "latency_p95_s": 2.0,
+              "peak_rss_mb": 100.0}  # fmt: skip
+    rows = [{"config": "llama-server-full", "clients": 1, "evict": "eager", **common},
+            {"config": "kvlite-laq", "clients": 1, "evict": "eager", **common, "tok_s": 7.0},
+            {"config": "kvlite-laq", "clients": 1, "evict": "lazy", **common, "tok_s": 3.0}]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve_vs_llama_server.py"), "--plot-only",
+                           "--evict", "lazy", "-t", "2", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.splitlines()[1:]
+    assert [line.split()[:3] for line in table] == [["llama-server-full", "1", "1.00"], ["kvlite-laq", "1", "3.00"]]
+    assert (tmp_path / "serve_vs_llama_server.png").stat().st_size > 0
