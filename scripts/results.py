@@ -809,8 +809,9 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   CPU.
 - **Small budgets**: from 64 cells up, EchoKV or LAQ (level at 64 on the test split). On Qwen they
   kept nearly what the full cache answers at 64 cells of a 2-4K prompt; on SmolLM2 about a third,
-  and there `--pool-kernel 13` kept more (0.40 and 0.43 against 0.24 and 0.21). Under 64 cells no
-  policy kept most answers on either model (the CLI says so): give the cache more room.
+  and there `--pool-kernel 13` kept more (0.40 and 0.43 against 0.24 and 0.21). At 1% of the prompt
+  (20-40 cells) no policy kept most answers on either model (the CLI notes a budget under 64): give
+  the cache more room.
 - **A chat where the document comes first and the questions later**: `kvlite chat --policy laq
   --budget 256` (or `echokv`: not separated on the test split), in the default lazy mode, with
   `-c` a little above the document: the cache holds the document until a question needs room, and

@@ -263,8 +263,8 @@ def test_a_budget_under_the_measured_floor_gets_a_note(tiny_paths):
     """Under 64 cells no policy kept most answers on the test split: the CLI says so, and runs."""
     args = ("generate", "-m", tiny_paths["llama"], "-p", "a b c d e f g h", "-n", "2", "--json")
     small = run_cli(*args, "--policy", "knorm", "--budget", "16")
-    assert small.returncode == 0 and "note: under 64 cells" in small.stderr
+    assert small.returncode == 0 and "note: below 64 cells" in small.stderr
     enough = run_cli(*args, "--policy", "knorm", "--budget", "64")
-    assert enough.returncode == 0 and "note: under" not in enough.stderr
+    assert enough.returncode == 0 and "note: below" not in enough.stderr
     chunked = run_cli(*args, "--policy", "streaming", "--cache", "16")  # a fixed memory, not an answer
-    assert chunked.returncode == 0 and "note: under" not in chunked.stderr
+    assert chunked.returncode == 0 and "note: below" not in chunked.stderr
