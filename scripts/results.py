@@ -791,6 +791,11 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   (EchoKV - LAQ -0.01 [-0.08, 0.06] and 0.00 [-0.06, 0.06]), while SnapKV (0.00, 0.01),
   StreamingLLM (0.00, 0.04), K-norm and KVzip (0.00) keep nothing that answers: at 2-3% of a 4K
   prompt only the lookahead policies find the evidence on this model.
+- **Quantized caches** (issue 26; SmolLM2 at 4K complete, 24 samples; Qwen2.5-0.5B at 2K still
+  running): a `q8_0` cache costs nothing measurable on top of eviction (q8_0 - f16 from -0.04 to
+  +0.04 for the full cache, LAQ and EchoKV at 128 and 256, every interval holding 0); `q4_0` costs
+  the full cache itself -0.25 [-0.42, -0.08] and the evicted caches -0.08 to -0.17 (intervals
+  reaching 0). EchoKV at 256 cells in `q8_0` answers 0.75, as in f16.
 - **Small budgets** (issue 25): at 64 cells EchoKV as shipped (its smoothing of 7 under 128 cells,
   chosen on Qwen's tune split) is level with LAQ on both models (after - LAQ: 0.00 on Qwen at 2K
   and 4K, 0.00 [-0.04, 0.04] and +0.03 [-0.04, 0.11] on SmolLM2). Before that rule, EchoKV trailed
