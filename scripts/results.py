@@ -398,7 +398,8 @@ def chat_claims(records: list[dict]) -> str:
         lines.append(f"| {g} | {iv.fmt()}{' **' if iv.excludes_zero() else ''} | {iv.n} |")
     eager, lazy = ({p: f"{p}(evict={m})" for p in CHAT} for m in ("eager", "lazy"))
     pairs = [(eager["hybrid"], eager["echokv"]), (eager["kvzip"], eager["echokv"]), (eager["hybrid"], eager["kvzip"]),
-             (lazy["laq"], lazy["echokv"]), (lazy["laq"], lazy["snapkv"]), (lazy["laq"], eager["laq"])]  # fmt: skip
+             (lazy["laq"], lazy["echokv"]), (lazy["laq"], lazy["snapkv"]), (lazy["laq"], eager["laq"]),
+             (lazy["laq"], "full"), (lazy["echokv"], "full")]  # fmt: skip
     return "\n".join(lines) + "\n\n" + report.compare_markdown(records, pairs, BUDGETS, group)
 
 
