@@ -792,11 +792,15 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   (EchoKV - LAQ -0.01 [-0.08, 0.06] and 0.00 [-0.06, 0.06]), while SnapKV (0.00, 0.01),
   StreamingLLM (0.00, 0.04), K-norm and KVzip (0.00) keep nothing that answers: at 2-3% of a 4K
   prompt only the lookahead policies find the evidence on this model.
-- **Quantized caches** (issue 26; SmolLM2 at 4K complete, 24 samples; Qwen2.5-0.5B at 2K still
-  running): a `q8_0` cache costs nothing measurable on top of eviction (q8_0 - f16 from -0.04 to
-  +0.04 for the full cache, LAQ and EchoKV at 128 and 256, every interval holding 0); `q4_0` costs
-  the full cache itself -0.25 [-0.42, -0.08] and the evicted caches -0.08 to -0.17 (intervals
-  reaching 0). EchoKV at 256 cells in `q8_0` answers 0.75, as in f16.
+- **Quantized caches** (issue 26; SmolLM2 at 4K, 24 samples; Qwen2.5-0.5B at 2K, 12): a `q8_0`
+  cache costs nothing measurable on top of eviction: q8_0 - f16 from -0.04 to +0.04 on SmolLM2 and
+  from -0.08 [-0.25, 0.00] to 0.00 on Qwen, for the full cache, LAQ and EchoKV at 128 and 256, every
+  interval holding 0; EchoKV at 256 cells in `q8_0` answers 0.75 on SmolLM2 and 0.92 on Qwen. `q4_0`
+  costs SmolLM2's full cache -0.25 [-0.42, -0.08] and its evicted caches -0.08 to -0.17 (intervals
+  reaching 0), and breaks Qwen2.5-0.5B with or without eviction (the full cache 1.00 to 0.17, -0.83
+  [-1.00, -0.58]). That is llama.cpp's `q4_0` keys, not the eviction: llama-server itself, on the
+  same model and docs/needle.txt, answers the locker code with f16, `q8_0`, and f16 keys with `q4_0`
+  values, and not with `q4_0` keys and f16 values.
 - **Small budgets** (issue 25): at 64 cells EchoKV as shipped (its smoothing of 7 under 128 cells,
   chosen on Qwen's tune split) is level with LAQ on both models (after - LAQ: 0.00 on Qwen at 2K
   and 4K, 0.00 [-0.04, 0.04] and +0.03 [-0.04, 0.11] on SmolLM2). Before that rule, EchoKV trailed
@@ -818,6 +822,9 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   and there `--pool-kernel 13` kept more (0.40 and 0.43 against 0.24 and 0.21). At 1% of the prompt
   (20-40 cells) no policy kept most answers on either model (the CLI notes a budget under 64): give
   the cache more room.
+- **A quantized cache**: `-ctk q8_0 -ctv q8_0` with eviction (the savings multiply, no measurable
+  cost); not `q4_0` keys (`-ctk q4_0` broke Qwen2.5-0.5B even without eviction; `-ctv q4_0` alone
+  did not).
 - **A chat where the document comes first and the questions later**: `kvlite chat --policy laq
   --budget 256` (or `echokv`: not separated on the test split), in the default lazy mode, with
   `-c` a little above the document: the cache holds the document until a question needs room, and
