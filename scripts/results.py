@@ -792,6 +792,12 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   (EchoKV - LAQ -0.01 [-0.08, 0.06] and 0.00 [-0.06, 0.06]), while SnapKV (0.00, 0.01),
   StreamingLLM (0.00, 0.04), K-norm and KVzip (0.00) keep nothing that answers: at 2-3% of a 4K
   prompt only the lookahead policies find the evidence on this model.
+- **Two prompt shapes** (issue 29; SmolLM2 at 2K, 72 test samples): pasted as one chat turn
+  (`kvlite generate --chat -f doc.txt`: the document and the question only), EchoKV leads LAQ by
+  +0.11 [0.03, 0.19] at 128 cells and +0.08 [0.01, 0.17] at 256, as in the task's own shape (+0.08
+  [0.01, 0.17], +0.04 [0.00, 0.10]), and is level with the full cache (+0.07 [-0.01, 0.15], +0.06
+  [-0.04, 0.15]). The held-out run that prompted the check (EchoKV 3 of 6 codes where LAQ had 6, in
+  that shape) is not borne out; the defaults hold in both shapes.
 - **Quantized caches** (issue 26; SmolLM2 at 4K, 24 samples; Qwen2.5-0.5B at 2K, 12): a `q8_0`
   cache costs nothing measurable on top of eviction: q8_0 - f16 from -0.04 to +0.04 on SmolLM2 and
   from -0.08 [-0.25, 0.00] to 0.00 on Qwen, for the full cache, LAQ and EchoKV at 128 and 256, every
