@@ -812,8 +812,8 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   and 4K, 0.00 [-0.04, 0.04] and +0.03 [-0.04, 0.11] on SmolLM2). Before that rule, EchoKV trailed
   LAQ on Qwen by 0.03-0.06 and led it on SmolLM2 by +0.17 [0.04, 0.29] and +0.25 [0.12, 0.38]: the
   rule is worth +0.25 [0.08, 0.42] on Qwen at 1% of 4K and costs SmolLM2 -0.17 and -0.22 at 64
-  cells. Under 64 cells (1% of 2K and 4K) no policy keeps most answers (at most 0.28; the full
-  cache 0.58-0.94). docs/policies.md, "Small budgets".
+  cells. At 1% of 2K and 4K (20 and 40 cells) no policy keeps most answers (at most 0.28; the
+  full cache 0.58-0.94). docs/policies.md, "Small budgets".
 
 ## What to use
 
