@@ -215,8 +215,8 @@ class Native:
         uint8 [n_layer, n_head_kv, n_keys, row bytes] of ggml type k_type (a quantized cache's blocks);
         key_mask: bool [n_keys], False for keys outside the softmax (they score 0);
         chunk: keys per chunk (0: one chunk while its logits stay under 8 MB, the fastest; queries go
-        in blocks that keep it so, and their probabilities add up on the host, so the kernel's scratch
-        stays ~8 MB plus one layer's keys widened; docs/cache.md); pool_kernel: odd max-pool width
+        in blocks that keep it so, one graph a layer whose blocks reuse one scratch, so the kernel holds
+        ~8 MB plus one layer's keys widened; docs/cache.md); pool_kernel: odd max-pool width
         smoothing the pooled scores along the keys (SnapKV; max_smooth, on the host), 0 for none.
         reduce: "sum" (each key's probability summed over the queries of its group) or "max" (its
         largest probability over those queries and query heads);
