@@ -1,12 +1,13 @@
-"""Whole-process time to the first token of an evicting policy against the full cache, and the
+"""Whole-process time to the first token of evicting policies against the full cache, and the
 eviction's share of the prefill, both from one run: `kvlite generate -n 1 --json` on the same
-prose prompt, the two commands alternating (pairs), each in its own process, the machine otherwise
-idle. A pair's ratio is its policy run's wall time over its full run's; the median over pairs is
-reported, with the range. The eviction's share is the policy run's own timers (evict_s /
-prefill_s). The peak RSS of each process is read from /proc (bench_memory.generate_peak).
+prose prompt, the full cache and each policy in turn (rounds), each in its own process, the machine
+otherwise idle. A round's ratio is the policy run's wall time over the round's full run's; the
+median over rounds is reported, with the range. The eviction's share is the policy run's own
+timers (evict_s / prefill_s). The peak RSS of each process is read from /proc
+(bench_memory.generate_peak).
 
-usage: python scripts/bench_ttft.py [--tokens 8192,16384] [-m MODEL] [--policy echokv]
-       [--budget-pct 2] [--pairs 3] [-t THREADS] [--json]
+usage: python scripts/bench_ttft.py [--tokens 8192,16384] [-m MODEL]
+       [--policies "echokv,echokv --proposals 6"] [--budget-pct 2] [--rounds 3] [-t THREADS] [--json]
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def timed(prompt_file: str, *flags: str) -> dict:
     return r
 
 
-def bench(model_arg: str | None, n_tokens: int, policy: str, budget: int, pairs: int, threads: int) -> dict:
+def bench(model_arg: str | None, n_tokens: int, policies: list[str], budget: int, rounds: int, threads: int) -> dict:
+    """rounds x (the full cache, then each policy in turn); each policy's ratios are to its round's
+    full run. A policy is a name and its flags ("echokv --proposals 6")."""
     path = resolve_model(model_arg)
     model = Model(path)
     try:
@@ -42,54 +45,58 @@ def bench(model_arg: str | None, n_tokens: int, policy: str, budget: int, pairs:
     finally:
         model.close()
     common = ["-m", str(path), "-t", str(threads)]
-    rows = []
+    rows: dict[str, list[dict]] = {p: [] for p in policies}
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(text)
         f.flush()
-        for i in range(pairs):
+        for i in range(rounds):
             full = timed(f.name, *common)
-            evict = timed(f.name, *common, "--policy", policy, "--budget", str(budget))
-            t = evict["timings"]
-            rows.append(dict(pair=i, full_wall_s=full["wall_s"], policy_wall_s=evict["wall_s"],
-                             ttft_ratio=evict["wall_s"] / full["wall_s"], prefill_s=t["prefill_s"],
-                             evict_s=t["evict_s"], evict_share=t["evict_s"] / t["prefill_s"],
-                             full_peak_mb=full["peak_rss_mb"], policy_peak_mb=evict["peak_rss_mb"],
-                             peak_ratio=evict["peak_rss_mb"] / full["peak_rss_mb"]))  # fmt: skip
-            print(f"  pair {i + 1}/{pairs}: full {full['wall_s']:.1f} s, {policy} {evict['wall_s']:.1f} s "
-                  f"({rows[-1]['ttft_ratio']:.3f}x), eviction {t['evict_s']:.2f} s of a {t['prefill_s']:.1f} s "
-                  f"prefill ({100 * rows[-1]['evict_share']:.2f}%)", file=sys.stderr, flush=True)  # fmt: skip
+            for spec in policies:
+                name, *flags = spec.split()
+                run = timed(f.name, *common, "--policy", name, "--budget", str(budget), *flags)
+                t = run["timings"]
+                row = dict(round=i, full_wall_s=full["wall_s"], policy_wall_s=run["wall_s"],
+                           ttft_ratio=run["wall_s"] / full["wall_s"], prefill_s=t["prefill_s"], evict_s=t["evict_s"],
+                           evict_share=t["evict_s"] / t["prefill_s"], full_peak_mb=full["peak_rss_mb"],
+                           policy_peak_mb=run["peak_rss_mb"],
+                           peak_ratio=run["peak_rss_mb"] / full["peak_rss_mb"])  # fmt: skip
+                rows[spec].append(row)
+                print(f"  round {i + 1}/{rounds}: full {full['wall_s']:.1f} s, {spec} {run['wall_s']:.1f} s "
+                      f"({row['ttft_ratio']:.3f}x), eviction {t['evict_s']:.2f} s of a {t['prefill_s']:.1f} s "
+                      f"prefill ({100 * row['evict_share']:.2f}%)", file=sys.stderr, flush=True)  # fmt: skip
 
-    def summary(key: str) -> dict:
-        values = [r[key] for r in rows]
+    def summary(spec: str, key: str) -> dict:
+        values = [r[key] for r in rows[spec]]
         return dict(median=statistics.median(values), min=min(values), max=max(values))
 
-    return dict(model=path.name, prompt_tokens=n_prompt, policy=policy, budget=budget, pairs=rows,
-                ttft_ratio=summary("ttft_ratio"), evict_share=summary("evict_share"),
-                evict_s=summary("evict_s"), peak_ratio=summary("peak_ratio"))  # fmt: skip
+    keys = ("ttft_ratio", "evict_share", "evict_s", "peak_ratio")
+    return dict(model=path.name, prompt_tokens=n_prompt, budget=budget, rounds=rounds,
+                policies={p: dict(runs=rows[p], **{k: summary(p, k) for k in keys}) for p in policies})  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="8192,16384", help="prompt lengths, comma-separated")
     ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("--policy", default="echokv")
+    ap.add_argument("--policies", default="echokv", help="comma-separated, each a name and its flags")
     ap.add_argument("--budget-pct", type=float, default=2.0, help="budget as a percent of the prompt")
-    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    policies = [p.strip() for p in args.policies.split(",")]
     for n in (int(x) for x in args.tokens.split(",")):
         budget = max(16, int(n * args.budget_pct / 100))
-        r = bench(args.model, n, args.policy, budget, args.pairs, args.threads)
+        r = bench(args.model, n, policies, budget, args.rounds, args.threads)
         if args.json:
             print(json.dumps(r), flush=True)
             continue
-        tt, share, peak = r["ttft_ratio"], r["evict_share"], r["peak_ratio"]
-        print(f"{r['model']} {r['prompt_tokens']} tokens, {r['policy']} to {r['budget']} cells, {args.pairs} pairs: "
-              f"time to first token {tt['median']:.3f}x the full cache's ({tt['min']:.3f}-{tt['max']:.3f}); "
-              f"eviction {100 * share['median']:.2f}% of the prefill ({100 * share['min']:.2f}-"
-              f"{100 * share['max']:.2f}%, {r['evict_s']['median']:.2f} s); peak RSS {peak['median']:.3f}x",
-              flush=True)  # fmt: skip
+        for spec, p in r["policies"].items():
+            tt, share, peak = p["ttft_ratio"], p["evict_share"], p["peak_ratio"]
+            print(f"{r['model']} {r['prompt_tokens']} tokens, {spec} to {budget} cells, {args.rounds} rounds: time to "
+                  f"first token {tt['median']:.3f}x the full cache's ({tt['min']:.3f}-{tt['max']:.3f}); eviction "
+                  f"{100 * share['median']:.2f}% of the prefill ({100 * share['min']:.2f}-{100 * share['max']:.2f}%, "
+                  f"{p['evict_s']['median']:.2f} s); peak RSS {peak['median']:.3f}x", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

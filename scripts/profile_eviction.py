@@ -1,9 +1,10 @@
-"""Where one eviction's time goes: the prompt is read without evicting, then one eviction runs under
-cProfile and its time is split by part (the lookahead's decoding on the workspace, the score
-kernel, the smoothing, the key reads from llama.cpp's state, compaction, ...), beside the prefill's
-time. Run it alone on the machine: the prefill and the kernels share the cores.
+"""Where one eviction's time goes: the prompt is read once without evicting (its last tokens are read
+again by each policy, from a snapshot), then one eviction of each policy runs under cProfile and its
+time is split by part (the lookahead's decoding on the workspace, the score kernel, the smoothing,
+the key reads from llama.cpp's state, compaction, ...), beside the prefill's time. Run it alone on
+the machine: the prefill and the kernels share the cores.
 
-usage: python scripts/profile_eviction.py [--tokens 8192] [--policies echokv,laq] [--budget 512]
+usage: python scripts/profile_eviction.py [--tokens 8192] [--policies "echokv,laq,echokv(P=6)"] [--budget 512]
        [-m MODEL] [-t THREADS] [--json]
 """
 
@@ -14,18 +15,23 @@ import cProfile
 import json
 import pathlib
 import pstats
+import re
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_memory import prose_tokens  # noqa: E402
 
+from kvlite.cache import Snapshot  # noqa: E402
 from kvlite.engine import Model  # noqa: E402
+from kvlite.eval.evaluate import read_prefix  # noqa: E402
+from kvlite.eval.specs import policy_for  # noqa: E402
 from kvlite.limits import DEFAULT_CHUNK  # noqa: E402
 from kvlite.models import resolve_model  # noqa: E402
-from kvlite.policies import make_policy  # noqa: E402
 from kvlite.runner import Runner  # noqa: E402
 from kvlite.settings import RunSettings, plan_context  # noqa: E402
+
+TAIL = 64  # the prompt's last tokens each policy reads itself (EchoKV's 16 anchors, SnapKV's window)
 
 # (file, function) whose cumulative time is the part; the kernel is native.attn_pool's cumulative
 # time less the max-pool it calls (its Python checks are microseconds; the C call runs in a lambda
@@ -43,13 +49,16 @@ PARTS = {
 }
 
 
-def profile(model: Model, tokens: list[int], name: str, budget: int, threads: int) -> dict:
-    policy = make_policy(name, budget=budget)
-    n_ctx, chunk = plan_context(policy, 0, len(tokens), 2, DEFAULT_CHUNK)
-    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, n_threads=threads))
+def profile(model: Model, tokens: list[int], prefix: Snapshot, n_ctx: int, name: str, budget: int,
+            threads: int) -> dict:  # fmt: skip
+    """One eviction of `name` under cProfile, on the prompt's prefix restored from `prefix` and its
+    last TAIL tokens fed again (the queries the policy observes)."""
+    policy = policy_for(name, budget)
+    runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, n_threads=threads))
     try:
+        runner.restore(prefix)
         t0 = time.perf_counter()
-        runner.feed(tokens, evict=False)
+        runner.feed(tokens[-TAIL:], evict=False)
         t1 = time.perf_counter()
         prof = cProfile.Profile()
         prof.enable()
@@ -65,7 +74,7 @@ def profile(model: Model, tokens: list[int], name: str, budget: int, threads: in
         ct for k, v in stats.items() if k[2] == "max_smooth" for c, (_, _, _, ct) in v[4].items() if c[2] == "attn_pool"
     )
     parts["the rest (Python, selection, masks)"] = (t2 - t1) - sum(parts.values())
-    return dict(policy=name, tokens=len(tokens), budget=budget, prefill_s=t1 - t0, evict_s=t2 - t1, parts=parts)
+    return dict(policy=name, tokens=len(tokens), budget=budget, tail_s=t1 - t0, evict_s=t2 - t1, parts=parts)
 
 
 def main() -> None:
@@ -79,8 +88,14 @@ def main() -> None:
     args = ap.parse_args()
     model = Model(resolve_model(args.model))
     tokens = prose_tokens(model, args.tokens)
-    for name in args.policies.split(","):
-        r = profile(model, tokens, name, args.budget, args.threads)
+    names = re.split(r",(?![^(]*\))", args.policies)  # commas outside a spec's parentheses
+    n_ctx = max(plan_context(policy_for(n, args.budget), 0, len(tokens), 2, DEFAULT_CHUNK)[0] for n in names)
+    t0 = time.perf_counter()
+    prefix = read_prefix(model, tokens[:-TAIL], n_ctx, args.threads)
+    prefix_s = time.perf_counter() - t0
+    for name in names:
+        r = profile(model, tokens, prefix, n_ctx, name, args.budget, args.threads)
+        r["prefill_s"] = prefix_s + r["tail_s"]
         if args.json:
             print(json.dumps(r), flush=True)
             continue

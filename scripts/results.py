@@ -131,6 +131,8 @@ def stages(quick: bool = False) -> list[Stage]:
     # chat turn, the same samples' facts as test-smol-2048's (whose cells are the task shape's) ...
     out.append(stage("shape-test-smol-2048", smol, [PASTE + t for t in TASKS], 2048, N["smol"], "test",
                      paired_policies(), BUDGETS))  # fmt: skip
+    # Issue 29, the eviction's cost: EchoKV's anchors rotated to fewer of the T positions (P), on tune
+    out.append(stage("tune-proposals-smol-4096", smol, TASKS, 4096, 8, "tune", proposal_policies(), BUDGETS))
     # ... and where users need eviction: Qwen at 16K and 32K tokens, 1% and 2% budgets
     out += [stage(f"long-test-qwen-{length}", qwen, TASKS, length, N["qwen"], "test", long_policies(length),
                   long_budgets(length)) for length in LONG]  # fmt: skip
@@ -151,7 +153,23 @@ def long_policies(length: int) -> list[str]:
     J + h while it reads)."""
     e = echokv_spec()
     chunked = [f"{p[:-1]},mode=chunked,h={length // 128})" for p in (e, laq_spec(e))]
-    return ["full", "streaming", "snapkv", laq_spec(e), e, "kvzip", *chunked]
+    return ["full", "streaming", "snapkv", laq_spec(e), e, *long_proposals(), "kvzip", *chunked]
+
+
+def long_proposals() -> list[str]:
+    """EchoKV with fewer proposals (`--proposals`), beside the pick at 16K and 32K: P=12, the tune
+    split's pick among 12, 6 and 3, and P=6, which lost one of 24 samples there."""
+    e = echokv_spec()
+    return [f"{e[:-1]},P={p})" for p in (12, 6)]
+
+
+PROPOSALS = [12, 6, 3]
+
+
+def proposal_policies() -> list[str]:
+    """EchoKV as picked, and its anchors rotated to P of the T future positions (S x P proposals)."""
+    e = echokv_spec()
+    return [e, *(f"{e[:-1]},P={p})" for p in PROPOSALS)]
 
 
 def paired_policies() -> list[str]:
@@ -209,6 +227,7 @@ def label(spec: str) -> str:
     """The test grid's explicit EchoKV and LAQ specs read as their names in the tables."""
     e = echokv_spec()
     names = {e: "echokv", laq_spec(e): "laq", small_test_policies()[-1]: "echokv, kernel by budget"}
+    names.update({p: f"echokv, P={p.split('P=')[1][:-1]}" for p in long_proposals()})
     for length in LONG:
         names.update(zip(long_policies(length)[-2:], ("echokv, chunked", "laq, chunked")))
     return names.get(spec, spec)
@@ -437,7 +456,7 @@ def long_section(records: list[dict]) -> str:
     e, laq = echokv_spec(), laq_spec(echokv_spec())
     budgets = sorted({b for length in LONG for b in long_budgets(length)})
     pairs = [(p, "full") for p in ("streaming", "snapkv", laq, e, "kvzip")]
-    pairs += [(e, laq), (e, "snapkv"), (e, "kvzip")]
+    pairs += [(e, laq), (e, "snapkv"), (e, "kvzip"), *((p, e) for p in long_proposals())]
     out = [pooled_table(records, ["1%", "2%"]), "Paired differences (** where the interval excludes 0):\n"]
     out.append(report.compare_markdown(records, pairs, budgets, model_length, label))
     for length in LONG:  # the chunked specs differ by length (h), so each length pairs its own
@@ -448,6 +467,34 @@ def long_section(records: list[dict]) -> str:
                                                long_budgets(length), model_length, label))  # fmt: skip
     out += ["\nFidelity and the evidence kept:\n", fidelity_table(records)]
     return "\n".join(out)
+
+
+def proposals_section(records: list[dict]) -> str:
+    """Issue 29 on the tune split: EchoKV with S x P proposals against the pick (S x T): the score,
+    the evidence in each workspace and in the kept cells, how many of the pick's kept cells each
+    keeps too, the eviction's time; and the score paired by sample."""
+    e, *fewer = proposal_policies()
+    by: dict = defaultdict(dict)  # (policy, budget) -> (task, sample) -> record
+    for r in records:
+        if "score" in r and r["policy"] in (e, *fewer):
+            by[(r["policy"], r["budget"])][(r["task"], r["sample"])] = r
+    head = ["policy", "budget", "score [95% CI]", "KL", "evidence in W1", "in W2", "evidence kept",
+            "the pick's kept cells kept", "scoring s", "n"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for (policy, budget), cells in sorted(by.items(), key=lambda kv: (kv[0][1], proposal_policies().index(kv[0][0]))):
+        rs = list(cells.values())
+        pick = by.get((e, budget), {})
+        shared = [len(set(r["kept"]) & set(pick[k]["kept"])) / len(pick[k]["kept"])
+                  for k, r in cells.items() if k in pick]  # fmt: skip
+        views = [[r["workspace_evidence"][i] for r in rs if len(r["workspace_evidence"]) > i] for i in (0, 1)]
+        timed = [r["time"]["policy_s"] for r in rs if not r.get("scores_reused")]
+        row = [policy, str(budget), stats.bootstrap_mean([r["score"] for r in rs]).fmt()]
+        row += [f"{np.mean([r['kl'] for r in rs]):.3f}", *(f"{100 * np.mean(v):.0f}%" if v else "-" for v in views)]
+        row += [f"{100 * np.mean([r['evidence_kept'] for r in rs]):.0f}%", f"{100 * np.mean(shared):.1f}%",
+                f"{np.median(timed):.2f}" if timed else "-", str(len(rs))]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    paired = report.compare_markdown(records, [(p, e) for p in fewer], BUDGETS, lambda r: r["model"], str)
+    return "\n".join(lines) + "\n\nPaired by sample against the pick (** where the interval excludes 0):\n\n" + paired
 
 
 def kv_type_section(records: list[dict]) -> str:
@@ -588,6 +635,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     kv_test = records_of(out, "kv-test-")
     shape_test = records_of(out, "shape-test-")
     long_test = records_of(out, "long-test-")
+    proposals = records_of(out, "tune-proposals-")
     images = []
     evo = next((r for r in decode if r.get("evolution") and r["policy"].startswith("cc(")), None)
     evo = evo or next((r for r in decode if r.get("evolution")), None)
@@ -636,6 +684,9 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "budget, a refresh every h = length/128 tokens); the defaults are the tune split's, not retuned here. A "
         f"length is complete at {3 * N['qwen']} samples.\n",
         long_section(long_test) if long_test else "(not run yet)\n",
+        "\n## EchoKV with fewer proposals (tune split, issue 29)\n",
+        PROPOSALS_TEXT,
+        proposals_section(proposals) if proposals else "(not run yet)\n",
         "\n## Protecting the question (tune split, prefill-end)\n",
         protect_table(records_of(out, "tune-protect")),
         "\n## Decode-heavy: list recall in chunked mode\n",
@@ -671,6 +722,15 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     target = ROOT / "docs" / "results.md" if not quick else out / "results.md"
     target.write_text("\n".join(sections) + "\n")
     print(f"wrote {target}")
+
+
+PROPOSALS_TEXT = """EchoKV's bootstrap rotates each of its S=16 anchors to all T=24 future positions: 384 proposals
+pooled over every cached key of every layer, most of a long prompt's eviction time
+([cache.md](cache.md), "Where an eviction's time goes"). `P=n` rotates them to n of the 24 positions,
+spread evenly (`--proposals n`), and costs n/24 of that pass. SmolLM2 at 4K, 8 samples of each task,
+the tune split: the cells the pick (P = T = 24) keeps are the reference; the scoring time is one
+eviction's, median over samples.
+"""
 
 
 SMALL_BUDGET_TEXT = """Held-out Qwen documents (issue 25) showed EchoKV at 64 cells answering only a code's first

@@ -51,6 +51,14 @@ def test_echokv_and_laq_spend_the_same_workspace_passes(tiny_model):
     assert echo.workspace_forward_passes == laq.workspace_forward_passes == 6
 
 
+def test_echokv_proposals_at_every_position_are_the_default(tiny_model):
+    """P = T rotates each anchor to every future position, as the default does: the same cells kept;
+    P = 1 rotates them to the first only, and keeps other cells."""
+    kept = {p: _run(tiny_model, "echokv", lookahead=6, workspace=128, proposals=p)[0].cache.positions().tolist()
+            for p in (None, 6, 1)}  # fmt: skip
+    assert kept[6] == kept[None] and kept[1] != kept[None]
+
+
 def test_policies_score_differently(tiny_model):
     kept = {name: tuple(_run(tiny_model, name, lookahead=4, workspace=128)[0].cache.positions()) for name in SCORED}
     assert len(set(kept.values())) >= len(SCORED) - 2  # not one selection in disguise
@@ -61,6 +69,8 @@ def test_policies_score_differently(tiny_model):
     [
         ("echokv", dict(lookahead=5), "even"),
         ("echokv", dict(lookahead=0), "-T must be >= 1, got 0"),
+        ("echokv", dict(lookahead=4, proposals=5), "at most 4, got 5"),
+        ("echokv", dict(proposals=0), "--proposals must be >= 1, got 0"),
         ("laq", dict(workspace=32), "smaller than --budget"),
         ("snapkv", dict(pool_kernel=4), "odd"),
         ("tova", dict(aggregation="median"), "--aggregate"),

@@ -98,3 +98,12 @@ def test_proposals_layout(tiny_paths):
             for t, p in enumerate(positions):
                 want = rope(info, anchors[il, s][None], [p], il)[0]  # [H, D]
                 np.testing.assert_array_equal(props[il, :, s * 4 + t], want)
+
+
+def test_spread_picks_evenly_from_the_first_to_the_last():
+    from kvlite.scoring.proposals import spread
+
+    assert spread(24, 6).tolist() == [0, 5, 9, 14, 18, 23]  # 0, 4.6, 9.2, 13.8, 18.4, 23 rounded
+    assert spread(24, 1).tolist() == [0]
+    assert spread(24, 2).tolist() == [0, 23]
+    assert spread(5, None).tolist() == spread(5, 5).tolist() == spread(5, 9).tolist() == [0, 1, 2, 3, 4]

@@ -81,7 +81,13 @@ class EchoKV(LookaheadPolicy):
     # question holds a third of the cells, runs of 13 cut a code's first digits (docs/policies.md).
     pool_kernel: int | None = None
     workspace: int = 512
-    default_notes: ClassVar[dict[str, str]] = {"pool_kernel": f"13, 7 under {SMALL_BUDGET} cells"}
+    # None: each anchor rotated to all T future positions (Eq. 2). The proposals' pass, S x P
+    # queries over every cached key of every layer, is most of a long prompt's eviction time, and
+    # neighbouring positions rotate a query little (docs/cache.md, "Where an eviction's time goes").
+    proposals: int | None = param(None, "--proposals", "future positions each anchor is rotated to, spread "
+                                  "over the T (P; none: all T)", alias="P", minimum=1)  # fmt: skip
+    default_notes: ClassVar[dict[str, str]] = {"pool_kernel": f"13, 7 under {SMALL_BUDGET} cells",
+                                               "proposals": "T"}  # fmt: skip
 
     def __post_init__(self):
         if self.pool_kernel is None:
@@ -92,13 +98,16 @@ class EchoKV(LookaheadPolicy):
         if self.lookahead % 2:
             t = self.flag("lookahead")
             raise KvliteError(f"EchoKV splits {t} into two rounds: it must be even, got {self.lookahead}")
+        if self.proposals is not None and self.proposals > self.lookahead:
+            p, t = self.flag("proposals"), self.flag("lookahead")
+            raise KvliteError(f"{p} picks among the {t} positions: at most {self.lookahead}, got {self.proposals}")
 
     def observed_tokens(self) -> int:
         return self.anchors
 
     def bootstrap(self, obs: Observation) -> np.ndarray:
         """W1: the top-B1 prompt positions under the proposals (Eq. 2, 3)."""
-        return obs.top(self.score_queries(obs, obs.proposals(self.anchors, self.lookahead)), self.workspace)
+        return obs.top(self.score_queries(obs, obs.proposals(self.anchors, self.lookahead, self.proposals)), self.workspace)
 
     def lookahead_queries(self, obs: Observation) -> np.ndarray:
         """[Q1; Q2]: T/2 greedy steps on W1, the repair to W2, T/2 more steps."""

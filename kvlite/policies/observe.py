@@ -18,7 +18,7 @@ from ..engine import Capture, Context, cachetypes
 from ..errors import KvliteError
 from ..native import native, release
 from ..scoring.aggregate import aggregate
-from ..scoring.proposals import proposals
+from ..scoring.proposals import proposals, spread
 from ..selection import ranked
 
 Queries = np.ndarray | Callable[[int], np.ndarray]  # [L, H, n, D], or layer i's [1, H, n, D] on demand
@@ -88,13 +88,15 @@ class Observation:
     def token_scores(self, queries: Queries, aggregation: str, pool_kernel: int, budget: int) -> np.ndarray:
         return aggregate(self.pooled(queries, pool_kernel), aggregation, budget)
 
-    def proposals(self, anchors: int, steps: int) -> Callable[[int], np.ndarray]:
-        """EchoKV Eq. 2: the last `anchors` pre-RoPE queries rotated to the next `steps` positions,
-        made a layer at a time as pooled reads them (all layers at once: 27 MB for EchoKV's 16 x 24
-        on SmolLM2, beside an eviction that should cost no more than the cache it saves)."""
+    def proposals(self, anchors: int, steps: int, count: int | None = None) -> Callable[[int], np.ndarray]:
+        """EchoKV Eq. 2: the last `anchors` pre-RoPE queries rotated to the next `steps` positions
+        (count: to `count` of them, spread evenly from the first to the last), made a layer at a
+        time as pooled reads them (all layers at once: 27 MB for EchoKV's 16 x 24 on SmolLM2,
+        beside an eviction that should cost no more than the cache it saves)."""
         pre = self.last_queries(anchors, "q_pre").transpose(0, 2, 1, 3)  # [L, S, H, D]
         start, layers = self.cache.n_pos, self.info.full_layers
-        return lambda i: proposals(self.info, pre[i : i + 1], range(start, start + steps), [layers[i]])
+        positions = (start + spread(steps, count)).tolist()
+        return lambda i: proposals(self.info, pre[i : i + 1], positions, [layers[i]])
 
     def top(self, scores: np.ndarray, n: int) -> np.ndarray:
         """The n resident positions with the highest scores (ties: later first), ascending."""

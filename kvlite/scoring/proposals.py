@@ -22,6 +22,13 @@ def rope(info: ModelInfo, x: np.ndarray, positions: Sequence[int], layer: int = 
     return native().rope(RopeParams.of(info, layer), x, pos)
 
 
+def spread(steps: int, count: int | None) -> np.ndarray:
+    """`count` of the offsets 0..steps-1, evenly spread from the first to the last (None: all)."""
+    if count is None or count >= steps:
+        return np.arange(steps)
+    return np.unique(np.linspace(0, steps - 1, count).round().astype(np.int64))
+
+
 def proposals(info: ModelInfo, anchors: np.ndarray, positions: Sequence[int], layers: Sequence[int]) -> np.ndarray:
     """anchors: pre-RoPE queries [n_layer, S, n_head, head_dim] (the last S prompt tokens) of the
     model's `layers`; positions: the T future positions. Returns the S*T proposals per layer in
