@@ -900,6 +900,12 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   document turn on (`--evict eager`), no policy led on both models on the test split: the hybrid
   scored best on SmolLM2 (0.33 / 0.47 at 128 / 256 cells; full cache 0.43), EchoKV on Qwen (0.58 /
   0.72; full cache 0.88; the hybrid 0.27 / 0.55).
+- **Long prompts (16K tokens and up)**: not concluded yet. The 16K and 32K test stages (the table
+  "Long prompts" above, with its n) resume across sessions; until a length is complete nothing here
+  rests on it. What is measured is the cost ([cache.md](cache.md), "Where an eviction's time
+  goes"): EchoKV's eviction is 3-5% of a 16K prompt's reading on Qwen2.5-0.5B and 2.7% at 32K,
+  LAQ's about 1%; `--proposals 12` (tied with the pick on the tune split) or `--proposals 6` cut
+  EchoKV's scoring pass 2x or 4x.
 - **A long generation under a fixed memory** (chunked mode, `--cache J`): StreamingLLM is as good as
   anything measured here and the cheapest; nothing kept a long recall intact at J = 256.
 - **Not recommended on these models**: `cc`, `cc-fast`, `cc-blind` (they evict the stated-once

@@ -47,6 +47,7 @@ class Hybrid(Policy):
     lookahead: int = _part_field(EchoKV, "lookahead")
     workspace: int = _part_field(EchoKV, "workspace")
     anchors: int = _part_field(EchoKV, "anchors")
+    proposals: int | None = _part_field(EchoKV, "proposals")
 
     def __post_init__(self):
         if self.pool_kernel is None:

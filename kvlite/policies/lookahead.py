@@ -107,7 +107,8 @@ class EchoKV(LookaheadPolicy):
 
     def bootstrap(self, obs: Observation) -> np.ndarray:
         """W1: the top-B1 prompt positions under the proposals (Eq. 2, 3)."""
-        return obs.top(self.score_queries(obs, obs.proposals(self.anchors, self.lookahead, self.proposals)), self.workspace)
+        proposals = obs.proposals(self.anchors, self.lookahead, self.proposals)
+        return obs.top(self.score_queries(obs, proposals), self.workspace)
 
     def lookahead_queries(self, obs: Observation) -> np.ndarray:
         """[Q1; Q2]: T/2 greedy steps on W1, the repair to W2, T/2 more steps."""
