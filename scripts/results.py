@@ -152,24 +152,25 @@ def long_policies(length: int) -> list[str]:
     = the budget; a refresh every h = length/128 tokens, under J at both budgets, so the cache holds
     J + h while it reads)."""
     e = echokv_spec()
-    chunked = [f"{p[:-1]},mode=chunked,h={length // 128})" for p in (e, laq_spec(e))]
+    chunked = [with_param(p, f"mode=chunked,h={length // 128}") for p in (e, laq_spec(e))]
     return ["full", "streaming", "snapkv", laq_spec(e), e, *long_proposals(), "kvzip", *chunked]
 
 
+PROPOSALS = [12, 6, 3]  # tried on the tune split
+# beside the pick at 16K and 32K: P=12, the tune split's pick among PROPOSALS, and P=6, which lost
+# one of 24 samples there
+LONG_PROPOSALS = [12, 6]
+
+
 def long_proposals() -> list[str]:
-    """EchoKV with fewer proposals (`--proposals`), beside the pick at 16K and 32K: P=12, the tune
-    split's pick among 12, 6 and 3, and P=6, which lost one of 24 samples there."""
-    e = echokv_spec()
-    return [f"{e[:-1]},P={p})" for p in (12, 6)]
-
-
-PROPOSALS = [12, 6, 3]
+    """EchoKV with fewer proposals (`--proposals`) at 16K and 32K."""
+    return [with_param(echokv_spec(), f"P={p}") for p in LONG_PROPOSALS]
 
 
 def proposal_policies() -> list[str]:
     """EchoKV as picked, and its anchors rotated to P of the T future positions (S x P proposals)."""
     e = echokv_spec()
-    return [e, *(f"{e[:-1]},P={p})" for p in PROPOSALS)]
+    return [e, *(with_param(e, f"P={p}") for p in PROPOSALS)]
 
 
 def paired_policies() -> list[str]:
@@ -200,8 +201,13 @@ def small_budget_policies() -> list[str]:
     return ["full", "laq", laq_spec(e), e, *(e.replace(a, b) for a, b in swaps if a in e)]
 
 
+def with_param(spec: str, param: str) -> str:
+    """spec with one more parameter ("name=value")."""
+    return f"{spec[:-1]},{param})" if spec.endswith(")") else f"{spec}({param})"
+
+
 def with_question(spec: str) -> str:
-    return spec[:-1] + ",window=question)" if spec.endswith(")") else f"{spec}(window=question)"
+    return with_param(spec, "window=question")
 
 
 def run(stage: Stage, out: pathlib.Path, threads: int | None) -> float:
@@ -227,7 +233,7 @@ def label(spec: str) -> str:
     """The test grid's explicit EchoKV and LAQ specs read as their names in the tables."""
     e = echokv_spec()
     names = {e: "echokv", laq_spec(e): "laq", small_test_policies()[-1]: "echokv, kernel by budget"}
-    names.update({p: f"echokv, P={p.split('P=')[1][:-1]}" for p in long_proposals()})
+    names.update({with_param(e, f"P={p}"): f"echokv, P={p}" for p in LONG_PROPOSALS})
     for length in LONG:
         names.update(zip(long_policies(length)[-2:], ("echokv, chunked", "laq, chunked")))
     return names.get(spec, spec)
@@ -473,15 +479,16 @@ def proposals_section(records: list[dict]) -> str:
     """Issue 29 on the tune split: EchoKV with S x P proposals against the pick (S x T): the score,
     the evidence in each workspace and in the kept cells, how many of the pick's kept cells each
     keeps too, the eviction's time; and the score paired by sample."""
-    e, *fewer = proposal_policies()
+    order = proposal_policies()
+    e, *fewer = order
     by: dict = defaultdict(dict)  # (policy, budget) -> (task, sample) -> record
     for r in records:
-        if "score" in r and r["policy"] in (e, *fewer):
+        if "score" in r and r["policy"] in order:
             by[(r["policy"], r["budget"])][(r["task"], r["sample"])] = r
     head = ["policy", "budget", "score [95% CI]", "KL", "evidence in W1", "in W2", "evidence kept",
             "the pick's kept cells kept", "scoring s", "n"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for (policy, budget), cells in sorted(by.items(), key=lambda kv: (kv[0][1], proposal_policies().index(kv[0][0]))):
+    for (policy, budget), cells in sorted(by.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
         rs = list(cells.values())
         pick = by.get((e, budget), {})
         shared = [len(set(r["kept"]) & set(pick[k]["kept"])) / len(pick[k]["kept"])
