@@ -51,9 +51,13 @@ def echokv_spec() -> str:
     return json.loads(pick.read_text())["pick"] if pick.exists() else FALLBACK_ECHOKV
 
 
+def spec_params(spec: str) -> dict[str, str]:
+    return dict(p.split("=") for p in spec[spec.index("(") + 1 : -1].split(",")) if "(" in spec else {}
+
+
 def laq_spec(echokv: str) -> str:
     """LAQ at equal workspace forward passes: EchoKV's T, and its workspace B1."""
-    params = dict(p.split("=") for p in echokv[echokv.index("(") + 1 : -1].split(","))
+    params = spec_params(echokv)
     return f"laq(T={params['T']},B1={params['B1']})"
 
 
@@ -147,24 +151,31 @@ def long_budgets(length: int) -> list[int]:
     return [length // 100, length // 50]
 
 
-def long_policies(length: int) -> list[str]:
-    """The prefill-end policies, and EchoKV and LAQ in chunked mode with a cache of the same size (J
-    = the budget; a refresh every h = length/128 tokens, under J at both budgets, so the cache holds
-    J + h while it reads)."""
+def long_specs(length: int) -> dict[str, str]:
+    """The evicting policies at a long length, by their name in the tables: the prefill-end ones,
+    and EchoKV and LAQ in chunked mode with a cache of the same size (J = the budget; a refresh
+    every h = length/128 tokens, under J at both budgets, so the cache holds J + h while it reads).
+    Where a budget is above the pick's workspace (B1 512; 2% of 32K is 655) B1 is left to the
+    default's rule, the budget itself above 512 (LAQ's: 1024), as a user's `--budget 655` gets."""
     e = echokv_spec()
-    chunked = [with_param(p, f"mode=chunked,h={length // 128}") for p in (e, laq_spec(e))]
-    return ["full", "streaming", "snapkv", laq_spec(e), e, *long_proposals(), "kvzip", *chunked]
+    laq = laq_spec(e)
+    if max(long_budgets(length)) > int(spec_params(e)["B1"]):
+        e, laq = without_param(e, "B1"), without_param(laq, "B1")
+    named = {"snapkv": "snapkv", "laq": laq, "echokv": e}
+    named.update({f"echokv, P={p}": with_param(e, f"P={p}") for p in LONG_PROPOSALS})
+    named["kvzip"] = "kvzip"
+    named.update({f"{n}, chunked": with_param(named[n], f"mode=chunked,h={length // 128}") for n in ("echokv", "laq")})
+    return named
+
+
+def long_policies(length: int) -> list[str]:
+    return ["full", "streaming", *long_specs(length).values()]
 
 
 PROPOSALS = [12, 6, 3]  # tried on the tune split
 # beside the pick at 16K and 32K: P=12, the tune split's pick among PROPOSALS, and P=6, which lost
 # one of 24 samples there
 LONG_PROPOSALS = [12, 6]
-
-
-def long_proposals() -> list[str]:
-    """EchoKV with fewer proposals (`--proposals`) at 16K and 32K."""
-    return [with_param(echokv_spec(), f"P={p}") for p in LONG_PROPOSALS]
 
 
 def proposal_policies() -> list[str]:
@@ -206,6 +217,12 @@ def with_param(spec: str, param: str) -> str:
     return f"{spec[:-1]},{param})" if spec.endswith(")") else f"{spec}({param})"
 
 
+def without_param(spec: str, name: str) -> str:
+    """spec less its parameter `name`."""
+    kept = [f"{k}={v}" for k, v in spec_params(spec).items() if k != name]
+    return f"{spec[: spec.index('(')]}({','.join(kept)})" if kept else spec.partition("(")[0]
+
+
 def with_question(spec: str) -> str:
     return with_param(spec, "window=question")
 
@@ -235,7 +252,7 @@ def label(spec: str) -> str:
     names = {e: "echokv", laq_spec(e): "laq", small_test_policies()[-1]: "echokv, kernel by budget"}
     names.update({with_param(e, f"P={p}"): f"echokv, P={p}" for p in LONG_PROPOSALS})
     for length in LONG:
-        names.update(zip(long_policies(length)[-2:], ("echokv, chunked", "laq, chunked")))
+        names.update({s: n for n, s in long_specs(length).items()})
     return names.get(spec, spec)
 
 
@@ -459,18 +476,18 @@ def shape_section(own: list[dict], paste: list[dict]) -> str:
 def long_section(records: list[dict]) -> str:
     """Issue 29: Qwen at 16K and 32K tokens, 1% and 2% budgets: every policy against the full cache,
     and EchoKV against the others, paired by sample; the evidence each kept."""
-    e, laq = echokv_spec(), laq_spec(echokv_spec())
-    budgets = sorted({b for length in LONG for b in long_budgets(length)})
-    pairs = [(p, "full") for p in ("streaming", "snapkv", laq, e, "kvzip")]
-    pairs += [(e, laq), (e, "snapkv"), (e, "kvzip"), *((p, e) for p in long_proposals())]
     out = [pooled_table(records, ["1%", "2%"]), "Paired differences (** where the interval excludes 0):\n"]
-    out.append(report.compare_markdown(records, pairs, budgets, model_length, label))
-    for length in LONG:  # the chunked specs differ by length (h), so each length pairs its own
+    for length in LONG:  # the specs differ by length (the chunked h; B1 at 32K), so each pairs its own
         rs = [r for r in records if length_of(r) == length]
-        ce, cl = long_policies(length)[-2:]
+        s = {"streaming": "streaming", "full": "full", **long_specs(length)}
+        named = [("streaming", "full"), ("snapkv", "full"), ("laq", "full"), ("echokv", "full"), ("kvzip", "full"),
+                 ("echokv", "laq"), ("echokv", "snapkv"), ("echokv", "kvzip"),
+                 *((f"echokv, P={p}", "echokv") for p in LONG_PROPOSALS),
+                 ("echokv, chunked", "full"), ("laq, chunked", "full"), ("echokv, chunked", "laq, chunked"),
+                 ("echokv, chunked", "echokv")]  # fmt: skip
+        pairs = [(s[a], s[b]) for a, b in named]
         if rs:
-            out.append(report.compare_markdown(rs, [(ce, "full"), (cl, "full"), (ce, cl), (ce, e)],
-                                               long_budgets(length), model_length, label))  # fmt: skip
+            out.append(report.compare_markdown(rs, pairs, long_budgets(length), model_length, label))
     out += ["\nFidelity and the evidence kept:\n", fidelity_table(records)]
     return "\n".join(out)
 
@@ -688,8 +705,10 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         shape_section(test, shape_test) if shape_test else "(not run yet)\n",
         "\n## Long prompts: 16K and 32K tokens at 1% and 2% (test split, issue 29)\n",
         "Qwen2.5-Coder-0.5B. Chunked cells read the prompt themselves with a cache of the budget's size (J = the "
-        "budget, a refresh every h = length/128 tokens); the defaults are the tune split's, not retuned here. A "
-        f"length is complete at {3 * N['qwen']} samples.\n",
+        "budget, a refresh every h = length/128 tokens); the defaults are the tune split's, not retuned here. At "
+        "32K the 2% budget (655 cells) is above the pick's workspace (B1 = 512), so EchoKV and LAQ take the "
+        "default's rule there, B1 = the budget above 512 (LAQ's own: 1024), as `--budget 655` gets. Samples run "
+        f"task by task in turn; a length is complete at {3 * N['qwen']} samples.\n",
         long_section(long_test) if long_test else "(not run yet)\n",
         "\n## EchoKV with fewer proposals (tune split, issue 29)\n",
         PROPOSALS_TEXT,

@@ -120,6 +120,23 @@ def test_resumed_grid_equals_uninterrupted(tiny_paths, tmp_path, uninterrupted):
     assert rows_without_time(tmp_path) == rows_without_time(uninterrupted)
 
 
+def test_a_grid_stopped_early_has_every_task(tiny_paths, tmp_path):
+    """Samples run by index across tasks (single 0, multikey 0, single 1, ...), so a long stage
+    carried over sessions reports every task, not the first one's samples alone."""
+    calls = []
+
+    def stop_after_three(n):
+        calls.append(n)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    cfg = grid_cfg(tiny_paths, tmp_path, tasks=["single", "multikey"], policies=["full"])
+    with pytest.raises(KeyboardInterrupt):
+        Grid(cfg).run(progress=stop_after_three)
+    done = [(r["task"].partition("/")[0], r["sample"]) for r in read_records(tmp_path)]
+    assert done == [("single", 0), ("multikey", 0), ("single", 1)]
+
+
 def test_partial_last_line_is_repaired_and_its_cell_redone(tiny_paths, tmp_path, uninterrupted):
     """A kill mid-write leaves half a record: the next run drops it, redoes that cell, and the
     records equal an uninterrupted run's."""

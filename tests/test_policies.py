@@ -82,6 +82,24 @@ def test_bad_parameters(name, params, message):
         make_policy(name, budget=64, **params)
 
 
+@pytest.mark.parametrize("name,base", [("echokv", 512), ("laq", 1024), ("hybrid", 512)])
+def test_default_workspace_grows_to_a_larger_budget(name, base):
+    """B1 defaults to its searched size, or to the budget above it (a 2% budget of a 32K prompt is
+    655 cells), instead of refusing the budget; a B1 given below the budget is still refused."""
+    workspace = lambda policy: getattr(policy, "echokv", policy).workspace  # noqa: E731
+    assert workspace(make_policy(name, budget=64)) == workspace(make_policy(name)) == base
+    assert workspace(make_policy(name, budget=base + 143)) == base + 143
+    with pytest.raises(KvliteError, match="smaller than --budget"):
+        make_policy(name, budget=base + 143, workspace=base).validate()
+
+
+def test_echokv_runs_at_a_budget_above_its_default_workspace(tiny_model):
+    runner, policy = _run(tiny_model, "echokv", n_prompt=700, budget=600, lookahead=4)
+    assert policy.workspace == 600 and len(runner.cache.positions()) == 600
+    views = runner.last_eviction.workspace_views  # W1, then W2, each with the last token
+    assert len(views) == 2 and all(len(set(v.tolist()) - {699}) == 600 for v in views)
+
+
 def test_budget_larger_than_prompt_evicts_nothing(tiny_model):
     runner, _ = _run(tiny_model, "echokv", n_prompt=40, budget=64, lookahead=4, workspace=128)
     assert runner.cache.evicted == 0 and len(runner.cache.positions()) == 40

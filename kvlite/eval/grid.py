@@ -219,9 +219,11 @@ class Grid:
                 self._fail({"data": str(path)}, e)
             listed.extend(samples[: cfg.limit] if cfg.limit else samples)
         count = lambda text: len(model.tokenize(text, add_special=False, parse_special=False))  # noqa: E731
-        for t in cfg.tasks:
-            for length in cfg.lengths:
-                listed.extend(tasks.generate(t, cfg.n, length, count, cfg.seed, cfg.depth, cfg.split))
+        made = [tasks.generate(t, cfg.n, length, count, cfg.seed, cfg.depth, cfg.split)
+                for t in cfg.tasks for length in cfg.lengths]  # fmt: skip
+        # sample i of every task and length before sample i + 1 of any: a grid stopped early (a long
+        # stage carried over sessions) has every task, not the first task's samples alone
+        listed.extend(s for row in zip(*made) for s in row)
         for i, s in enumerate(listed):
             if i % self.n_shards == self.shard - 1:
                 yield s

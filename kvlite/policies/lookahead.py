@@ -26,7 +26,16 @@ class LookaheadPolicy(AttentionPolicy):
     """lookahead (T): greedy workspace steps; workspace (B1): prompt tokens the workspace views."""
 
     lookahead: int = lookahead_param(16)
-    workspace: int = param(1024, "--workspace", "prompt tokens a lookahead workspace views (B1)", alias="B1", minimum=1)
+    # None: WORKSPACE cells, or the budget when it is larger (a workspace smaller than the budget
+    # is refused; above WORKSPACE no workspace size was searched, so it is the smallest that runs)
+    workspace: int | None = param(None, "--workspace", "prompt tokens a lookahead workspace views (B1)", alias="B1",
+                                  minimum=1)  # fmt: skip
+    WORKSPACE: ClassVar[int] = 1024
+    default_notes: ClassVar[dict[str, str]] = {"workspace": "1024, or the budget when larger"}
+
+    def __post_init__(self):
+        if self.workspace is None:
+            self.workspace = max(self.WORKSPACE, self.budget or 0)
 
     def validate(self) -> None:
         super().validate()
@@ -80,16 +89,18 @@ class EchoKV(LookaheadPolicy):
     # keeps a centred run of `kernel` cells around each peak; in a small budget, where the closing
     # question holds a third of the cells, runs of 13 cut a code's first digits (docs/policies.md).
     pool_kernel: int | None = None
-    workspace: int = 512
+    WORKSPACE: ClassVar[int] = 512
     # None: each anchor rotated to all T future positions (Eq. 2). The proposals' pass, S x P
     # queries over every cached key of every layer, is most of a long prompt's eviction time, and
     # neighbouring positions rotate a query little (docs/cache.md, "Where an eviction's time goes").
     proposals: int | None = param(None, "--proposals", "future positions each anchor is rotated to, spread "
                                   "over the T (P; none: all T)", alias="P", minimum=1)  # fmt: skip
     default_notes: ClassVar[dict[str, str]] = {"pool_kernel": f"13, 7 under {SMALL_BUDGET} cells",
+                                               "workspace": "512, or the budget when larger",
                                                "proposals": "T"}  # fmt: skip
 
     def __post_init__(self):
+        super().__post_init__()
         if self.pool_kernel is None:
             self.pool_kernel = 7 if self.budget is not None and self.budget < SMALL_BUDGET else 13
 
