@@ -107,6 +107,8 @@ class Runner:
                 self.ctx = pool.ctx
             hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
             self.cache = KVCache(self.ctx, hidden_layer=hidden_layer, lane=lane)
+            if pool is None and self.policy.lookahead_cells():
+                self.cache.workspace_context = self._workspace_context
         except BaseException:
             if pool is not None:
                 pool.give_back(lane)
@@ -119,6 +121,14 @@ class Runner:
         self._reset_counters()
         # When a list: the positions resident after each eviction (the cache-evolution picture).
         self.history: list[np.ndarray] | None = None
+
+    def _workspace_context(self, n_cells: int) -> Context:
+        """A context for a copied lookahead workspace: n_cells viewed and the lookahead's tokens,
+        decoded one at a time, captured as the cache's own context captures."""
+        s = self.settings
+        n = n_cells + self.policy.lookahead_cells() + 1
+        return Context(self.model, n, n_batch=min(s.chunk, 64), n_threads=s.n_threads, flash_attn=s.flash_attn,
+                       type_k=s.type_k, type_v=s.type_v, capture=self.capture, swa_full=True)  # fmt: skip
 
     def _reset_counters(self) -> None:
         self.timings = Timings()

@@ -5,7 +5,7 @@ the key reads from llama.cpp's state, compaction, ...), beside the prefill's tim
 the machine: the prefill and the kernels share the cores.
 
 usage: python scripts/profile_eviction.py [--tokens 8192] [--policies "echokv,laq,echokv(P=6)"] [--budget 512]
-       [-m MODEL] [-t THREADS] [--json]
+       [-m MODEL] [-t THREADS] [--shared] [--json]
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ TAIL = 64  # the prompt's last tokens each policy reads itself (EchoKV's 16 anch
 # handed to Native._run)
 PARTS = {
     "lookahead decode (llama.cpp, workspace)": ("cache.py", "workspace_decode"),
+    "workspace's own context made": ("runner.py", "_workspace_context"),
+    "workspace cells copied to it": ("cache.py", "_copy_to_side"),
     "score kernel (attn_pool, C)": ("native.py", "attn_pool"),
     "max-pool smoothing": ("native.py", "max_smooth"),
     "key reads (state file)": ("cache.py", "cached_kv"),
@@ -50,11 +52,14 @@ PARTS = {
 
 
 def profile(model: Model, tokens: list[int], prefix: Snapshot, n_ctx: int, name: str, budget: int,
-            threads: int) -> dict:  # fmt: skip
+            threads: int, shared: bool = False) -> dict:  # fmt: skip
     """One eviction of `name` under cProfile, on the prompt's prefix restored from `prefix` and its
-    last TAIL tokens fed again (the queries the policy observes)."""
+    last TAIL tokens fed again (the queries the policy observes). shared: the lookahead on the
+    workspace sequence of the cache's own context, never on a copy (as before the copy)."""
     policy = policy_for(name, budget)
     runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, n_threads=threads))
+    if shared:
+        runner.cache.workspace_context = None
     try:
         runner.restore(prefix)
         t0 = time.perf_counter()
@@ -74,7 +79,8 @@ def profile(model: Model, tokens: list[int], prefix: Snapshot, n_ctx: int, name:
         ct for k, v in stats.items() if k[2] == "max_smooth" for c, (_, _, _, ct) in v[4].items() if c[2] == "attn_pool"
     )
     parts["the rest (Python, selection, masks)"] = (t2 - t1) - sum(parts.values())
-    return dict(policy=name, tokens=len(tokens), budget=budget, tail_s=t1 - t0, evict_s=t2 - t1, parts=parts)
+    return dict(policy=name + (" [shared workspace]" if shared else ""), tokens=len(tokens), budget=budget,
+                tail_s=t1 - t0, evict_s=t2 - t1, parts=parts)  # fmt: skip
 
 
 def main() -> None:
@@ -85,6 +91,8 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--shared", action="store_true", help="each policy again with its lookahead on the shared "
+                    "workspace (no copy to a small context), after the copied run")  # fmt: skip
     args = ap.parse_args()
     model = Model(resolve_model(args.model))
     tokens = prose_tokens(model, args.tokens)
@@ -93,14 +101,15 @@ def main() -> None:
     t0 = time.perf_counter()
     prefix = read_prefix(model, tokens[:-TAIL], n_ctx, args.threads)
     prefix_s = time.perf_counter() - t0
-    for name in names:
-        r = profile(model, tokens, prefix, n_ctx, name, args.budget, args.threads)
+    runs = [(name, shared) for name in names for shared in ((False, True) if args.shared else (False,))]
+    for name, shared in runs:
+        r = profile(model, tokens, prefix, n_ctx, name, args.budget, args.threads, shared)
         r["prefill_s"] = prefix_s + r["tail_s"]
         if args.json:
             print(json.dumps(r), flush=True)
             continue
         share = 100 * r["evict_s"] / r["prefill_s"]
-        print(f"{name} at {r['tokens']} tokens, budget {r['budget']}: prefill {r['prefill_s']:.1f} s, "
+        print(f"{r['policy']} at {r['tokens']} tokens, budget {r['budget']}: prefill {r['prefill_s']:.1f} s, "
               f"eviction {r['evict_s']:.2f} s ({share:.1f}% of the prefill)")  # fmt: skip
         for part, s in r["parts"].items():
             print(f"  {part:40s} {s:6.2f} s  {100 * s / r['evict_s']:5.1f}%")

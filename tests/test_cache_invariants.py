@@ -84,9 +84,18 @@ def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path, monkeypatch)
         kvstate.StateFile(path)
 
 
-def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_model):
+def copying(cache: KVCache, monkeypatch) -> KVCache:
+    """Every workspace of the cache copied to a small context of its own (a Runner's rule copies
+    only views of at most a quarter of the resident cells)."""
+    monkeypatch.setattr("kvlite.cache.COPY_AT", 1)
+    cache.workspace_context = lambda n: Context(cache.ctx.model, n + 512, n_batch=32)  # room for any ws_add
+    return cache
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_model, copied, monkeypatch):
     ctx = Context(tiny_arch_model, n_ctx=256, n_batch=64)
-    cache = KVCache(ctx)
+    cache = copying(KVCache(ctx), monkeypatch) if copied else KVCache(ctx)
     cache.append(list(range(5, 105)))
     cache.evict([p for p in range(100) if p % 2 == 0 or p == 99])
     before = ctx.state_get(LIVE)
@@ -96,9 +105,32 @@ def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_mode
     cache.workspace_decode([7, 8, 9, 10], logits="all")
     check(cache)
     assert ctx.state_get(LIVE) == before
+    assert cache.workspace_copied == copied and (len(ctx.state_get(WORKSPACE)) > 24) != copied
     cache.workspace_drop()
     check(cache)
     assert ctx.state_get(LIVE) == before
+
+
+def test_a_copied_view_swaps_half_its_cells_in_a_context_with_room_for_one_view(tiny_arch_model):
+    """EchoKV's repair on a copied workspace: half the view removed, as many other cells loaded,
+    in a context made with room for the view and the lookahead only: the cells freed are not one
+    run, and what is left after the first view is less than the 100 loaded."""
+    cache = KVCache(Context(tiny_arch_model, n_ctx=1024, n_batch=64))
+    rng = np.random.default_rng(3)
+    cache.append([int(t) for t in rng.integers(3, 300, size=900)])
+    made = []
+    cache.workspace_context = lambda n: made.append(Context(tiny_arch_model, n + 4, n_batch=8)) or made[-1]
+    view = sorted(rng.choice(899, 199, replace=False).tolist()) + [899]  # a quarter of the cells at most
+    cache.workspace_create(view)
+    cache.workspace_decode([5, 6])
+    cache.workspace_remove(view[:-1:2])
+    cache.workspace_add(sorted(set(range(899)) - set(view))[:100])
+    cache.workspace_decode([7, 8])
+    assert cache.workspace_copied  # in 256 cells (llama.cpp's rounding; gemma3's 512), 202 were in use
+    check(cache)
+    cache.workspace_drop()
+    assert made[0].ptr is None and not cache.workspace_copied
+    check(cache)
 
 
 OPS = st.one_of(
@@ -123,6 +155,14 @@ EXAMPLES = int(os.environ.get("KVLITE_HYPOTHESIS_EXAMPLES", "40"))
 @given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
 def test_random_operation_sequences_match_llama_state(tiny_arch_model, swa_full, ops, seed):
     _run_ops(Context(tiny_arch_model, n_ctx=512, n_batch=32, swa_full=swa_full), ops, seed)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
+def test_random_operation_sequences_with_copied_workspaces(tiny_arch_model, ops, seed, monkeypatch):
+    """The same with every workspace copied: its view is what its own context holds, and the live
+    sequence is what the cache's holds."""
+    _run_ops(Context(tiny_arch_model, n_ctx=512, n_batch=32), ops, seed, copy=monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -182,11 +222,11 @@ def apply_op(cache: KVCache, op: str, arg, rng: np.random.Generator) -> None:
         cache.workspace_drop()
 
 
-def _run_ops(ctx: Context, ops, seed: int, also=None) -> None:
+def _run_ops(ctx: Context, ops, seed: int, also=None, copy=None) -> None:
     """Random cache operations on ctx, kvlite's residency checked against llama.cpp's after each
-    (and also(cache), when given)."""
+    (and also(cache), when given); copy: a monkeypatch, to copy every workspace."""
     rng = np.random.default_rng(seed)
-    cache = KVCache(ctx)
+    cache = KVCache(ctx) if copy is None else copying(KVCache(ctx), copy)
     cache.append([int(t) for t in rng.integers(3, 300, size=8)])
 
     def checks() -> None:

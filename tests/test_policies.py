@@ -100,6 +100,39 @@ def test_echokv_runs_at_a_budget_above_its_default_workspace(tiny_model):
     assert len(views) == 2 and all(len(set(v.tolist()) - {699}) == 600 for v in views)
 
 
+@pytest.mark.parametrize("name", ["echokv", "laq"])
+def test_a_copied_workspace_scores_as_the_shared_one(tiny_path, name):
+    """A workspace of at most a quarter of the cache is copied to a small context of its own, and
+    the lookahead there gives the scores of the lookahead on the whole cache's context (f32: the
+    same values summed in another order, ~1e-7 relative measured; 1e-5 allowed) and the same kept
+    cells, on every architecture's tiny model. The small context is gone after the eviction."""
+    from kvlite.engine import Model
+
+    model = Model(tiny_path)
+    rng = np.random.default_rng(2)
+    tokens = [int(t) for t in rng.integers(3, model.n_vocab, size=600)]
+    out = {}
+    for copied in (True, False):
+        policy = _policy(name, budget=64, sinks=4, lookahead=6, workspace=128)
+        n_ctx, chunk = plan_context(policy, 0, len(tokens), 8, 128)
+        runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, type_k="f32", type_v="f32"))
+        made = []
+        if copied:
+            make = runner.cache.workspace_context
+            runner.cache.workspace_context = lambda n: made.append(make(n)) or made[-1]  # noqa: B023
+        else:
+            runner.cache.workspace_context = None
+        runner.feed(tokens)
+        ev = runner.last_eviction
+        out[copied] = (ev.scores, runner.cache.positions().tolist())
+        assert len(made) == (1 if copied else 0) and all(c.ptr is None for c in made)  # made, then closed
+        assert not runner.cache.workspace_active and len(runner.cache.llama_positions(1)) == 0
+        runner.close()
+    (s_copy, kept_copy), (s_shared, kept_shared) = out[True], out[False]
+    assert np.abs(s_copy - s_shared).max() <= 1e-5 * np.abs(s_shared).max()
+    assert kept_copy == kept_shared
+
+
 def test_budget_larger_than_prompt_evicts_nothing(tiny_model):
     runner, _ = _run(tiny_model, "echokv", n_prompt=40, budget=64, lookahead=4, workspace=128)
     assert runner.cache.evicted == 0 and len(runner.cache.positions()) == 40

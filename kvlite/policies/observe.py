@@ -131,8 +131,8 @@ class Lookahead:
         want = set(np.asarray(prompt_view).tolist()) | {self.cache.n_pos - 1}
         viewed = self.cache.positions(1)
         have = set(viewed[viewed < self.cache.n_pos].tolist())
+        self.cache.workspace_remove(sorted(have - want))  # first: a copied view's context frees them
         self.cache.workspace_add(sorted(want - have))
-        self.cache.workspace_remove(sorted(have - want))
         self.obs.workspace_views.append(np.array(sorted(want)))
 
     def step(self, n: int) -> np.ndarray:
@@ -145,7 +145,7 @@ class Lookahead:
                 self.cache.workspace_decode([self.next_token], logits="last")
                 self.obs.workspace_forward_passes += 1
                 self.tokens.append(self.next_token)
-                self.next_token = int(np.argmax(self.ctx.logits(-1)))
+                self.next_token = int(np.argmax(self.cache.workspace_ctx.logits(-1)))
             q = np.stack([self.capture.take("q", il) for il in info.full_layers])  # [L, n, H, D]
         finally:
             self.capture.enabled = False
@@ -162,7 +162,7 @@ class Lookahead:
         self.capture.enabled = True
         try:
             self.cache.workspace_decode(tokens, logits="none")
-            self.obs.workspace_forward_passes += -(-len(tokens) // self.ctx.n_batch)
+            self.obs.workspace_forward_passes += -(-len(tokens) // self.cache.workspace_ctx.n_batch)
             q = [_heads_first(self.capture.take("q", il)) for il in info.full_layers]
             k = [_heads_first(self.capture.take("k", il)) for il in info.full_layers]
         finally:
