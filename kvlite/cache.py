@@ -19,7 +19,8 @@ from .errors import KvliteError
 from .models import ModelInfo
 from .native import native
 
-# A workspace viewing at most 1/COPY_AT of the resident cells is copied to a small context
+# A workspace viewing at most 1/COPY_AT of the resident cells is copied to a small context: its
+# steps then attend over well under half the cells, and the copy costs less than they save
 COPY_AT = 4
 
 
@@ -304,8 +305,8 @@ class KVCache:
         """A view of some live positions. Shared: the workspace sequence views the live cells, and
         every lookahead step attends over the whole cache's span. Copied, when the view is at most
         1/COPY_AT of the resident cells and the Runner gave a `workspace_context`: the viewed cells
-        go to a small context of their own, whose steps attend over those cells only (Qwen2.5-0.5B:
-        70 ms a step at 16K cells against 21 ms; docs/cache.md, "Where an eviction's time goes")."""
+        go to a small context of their own, whose steps attend over those cells only (docs/cache.md,
+        "Where an eviction's time goes")."""
         if self.workspace_active:
             raise KvliteError("a workspace already exists")
         keep = np.unique(np.fromiter(keep, dtype=np.int64))

@@ -45,13 +45,15 @@ class Hybrid(Policy):
     pool_kernel: int | None = _part_field(EchoKV, "pool_kernel")  # the EchoKV part's (None: its rule)
     aggregation: str = _part_field(EchoKV, "aggregation")
     lookahead: int = _part_field(EchoKV, "lookahead")
-    workspace: int = _part_field(EchoKV, "workspace")
+    workspace: int | None = _part_field(EchoKV, "workspace")  # the EchoKV part's (None: its rule)
     anchors: int = _part_field(EchoKV, "anchors")
     proposals: int | None = _part_field(EchoKV, "proposals")
 
     def __post_init__(self):
         if self.pool_kernel is None:
             self.pool_kernel = self.echokv.pool_kernel
+        if self.workspace is None:
+            self.workspace = self.echokv.workspace
 
     def _part(self, cls: type[Policy], own: tuple[str, ...] = ()) -> Any:
         """A part made from the hybrid's fields, but for those it keeps its own default (own)."""
