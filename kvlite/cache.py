@@ -24,6 +24,13 @@ from .native import native
 COPY_AT = 4
 
 
+def copies_workspaces(ctx: Context) -> bool:
+    """Whether a cache on ctx may copy its workspace: only with its cells on the CPU. With them on
+    a device behind ggml's RPC backend, a state export after copies aborted the process in one run
+    of four (not yet explained), and no GPU has run the copy."""
+    return set(ctx.kv_buffers) <= {"CPU"}
+
+
 def runs(positions: np.ndarray) -> list[tuple[int, int]]:
     """Sorted positions as half-open ranges of consecutive values: [1,2,3,7] -> [(1,4), (7,8)]."""
     if len(positions) == 0:
@@ -304,7 +311,8 @@ class KVCache:
     def workspace_create(self, keep: Iterable[int]) -> None:
         """A view of some live positions. Shared: the workspace sequence views the live cells, and
         every lookahead step attends over the whole cache's span. Copied, when the view is at most
-        1/COPY_AT of the resident cells and the Runner gave a `workspace_context`: the viewed cells
+        1/COPY_AT of the resident cells, the Runner gave a `workspace_context` and the cells are on
+        the CPU (copies_workspaces): the viewed cells
         go to a small context of their own, whose steps attend over those cells only (docs/cache.md,
         "Where an eviction's time goes")."""
         if self.workspace_active:
@@ -313,7 +321,11 @@ class KVCache:
         self.workspace_active = True
         self._ws_prompt[:] = False
         self._ws_tokens = []
-        if self.workspace_context is not None and len(keep) * COPY_AT <= self.n_resident:
+        if (
+            self.workspace_context is not None
+            and len(keep) * COPY_AT <= self.n_resident
+            and copies_workspaces(self.ctx)
+        ):
             # room for this view: a later one of the same size (EchoKV's repair) removes cells
             # before it loads others (llama.cpp loads a sequence into free cells wherever they are)
             self._side = self.workspace_context(len(keep))
@@ -331,7 +343,12 @@ class KVCache:
     @property
     def workspace_ctx(self) -> Context:
         """The context the workspace's tokens are decoded in (its logits are read there)."""
-        return self._side if self._side is not None else self.ctx
+        return self._workspace_seq()[0]
+
+    def _workspace_seq(self) -> tuple[Context, int]:
+        """Where the workspace is: a copied one's context and its LIVE sequence, or the cache's
+        context and the lane's WORKSPACE sequence."""
+        return (self._side, LIVE) if self._side is not None else (self.ctx, self.seqs[WORKSPACE])
 
     def workspace_add(self, positions: Iterable[int]) -> None:
         self._need_workspace()
@@ -369,7 +386,7 @@ class KVCache:
         rm = np.unique(np.fromiter(positions, dtype=np.int64))
         rm = rm[(rm < self.n_pos)]
         rm = rm[self._ws_prompt[rm]]
-        ctx, seq = (self._side, LIVE) if self._side is not None else (self.ctx, self.seqs[WORKSPACE])
+        ctx, seq = self._workspace_seq()
         for p0, p1 in runs(rm):
             ctx.seq_rm(seq, p0, p1)
         self._ws_prompt[rm] = False
@@ -383,8 +400,8 @@ class KVCache:
         free = self.free if self._side is None else self._side_room()
         if len(tokens) > free:
             raise KvliteError("no room in the context for the lookahead tokens")
-        seq = LIVE if self._side is not None else self.seqs[WORKSPACE]
-        self.workspace_ctx.decode(tokens, range(start, start + len(tokens)), seq, logits)
+        ctx, seq = self._workspace_seq()
+        ctx.decode(tokens, range(start, start + len(tokens)), seq, logits)
         if self.hidden_layer is not None:
             self.ctx.capture.take("hidden", self.hidden_layer)  # lookahead tokens never enter the live cache
         self._ws_tokens.extend(int(t) for t in tokens)

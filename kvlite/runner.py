@@ -100,9 +100,7 @@ class Runner:
             # (a hidden-state capture stays on: every token's row is kept).
             self.watches_queries = self.capture is not None and not self.policy.needs_hidden
             if pool is None:
-                self.ctx = Context(model, settings.n_ctx, n_batch=settings.chunk, n_threads=settings.n_threads,
-                                   flash_attn=settings.flash_attn, type_k=settings.type_k, type_v=settings.type_v,
-                                   capture=self.capture, swa_full=self.policy.lookahead_cells() > 0)  # fmt: skip
+                self.ctx = self._context(settings.n_ctx, settings.chunk, swa_full=self.policy.lookahead_cells() > 0)
             else:
                 self.ctx = pool.ctx
             hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
@@ -122,13 +120,16 @@ class Runner:
         # When a list: the positions resident after each eviction (the cache-evolution picture).
         self.history: list[np.ndarray] | None = None
 
+    def _context(self, n_ctx: int, n_batch: int, swa_full: bool) -> Context:
+        """A context of the runner's model, settings and capture."""
+        s = self.settings
+        return Context(self.model, n_ctx, n_batch=n_batch, n_threads=s.n_threads, flash_attn=s.flash_attn,
+                       type_k=s.type_k, type_v=s.type_v, capture=self.capture, swa_full=swa_full)  # fmt: skip
+
     def _workspace_context(self, n_cells: int) -> Context:
         """A context for a copied lookahead workspace: n_cells viewed and the lookahead's tokens,
-        decoded one at a time, captured as the cache's own context captures."""
-        s = self.settings
-        n = n_cells + self.policy.lookahead_cells() + 1
-        return Context(self.model, n, n_batch=min(s.chunk, 64), n_threads=s.n_threads, flash_attn=s.flash_attn,
-                       type_k=s.type_k, type_v=s.type_v, capture=self.capture, swa_full=True)  # fmt: skip
+        decoded one at a time."""
+        return self._context(n_cells + self.policy.lookahead_cells() + 1, min(self.settings.chunk, 64), swa_full=True)
 
     def _reset_counters(self) -> None:
         self.timings = Timings()

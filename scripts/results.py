@@ -253,8 +253,7 @@ def label(spec: str) -> str:
     """The test grid's explicit EchoKV and LAQ specs read as their names in the tables."""
     e = echokv_spec()
     names = {e: "echokv", laq_spec(e): "laq", small_test_policies()[-1]: "echokv, kernel by budget"}
-    names.update({with_param(e, f"P={p}"): f"echokv, P={p}" for p in LONG_PROPOSALS})
-    for length in LONG:
+    for length in LONG:  # the P, chunked and (at 32K) B1-less specs
         names.update({s: n for n, s in long_specs(length).items()})
     return names.get(spec, spec)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvlite.cache import copies_workspaces
 from kvlite.errors import KvliteError
 from kvlite.native import COUNTER_CAUSAL_ARCHS
 from kvlite.policies import POLICIES, make_policy
@@ -116,6 +117,8 @@ def test_a_copied_workspace_scores_as_the_shared_one(tiny_path, name):
         policy = _policy(name, budget=64, sinks=4, lookahead=6, workspace=128)
         n_ctx, chunk = plan_context(policy, 0, len(tokens), 8, 128)
         runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, type_k="f32", type_v="f32"))
+        if not copies_workspaces(runner.ctx):
+            pytest.skip("kvlite copies a workspace only with the cache on the CPU (cache.copies_workspaces)")
         made = []
         if copied:
             make = runner.cache.workspace_context
