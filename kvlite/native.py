@@ -465,6 +465,10 @@ def rpc_add_server(endpoint: str) -> list[str]:
              for i in range(ggml.ggml_backend_reg_dev_count(reg))]  # fmt: skip
     if not any(endpoint == d["description"] for d in devices()):  # registering twice would list it twice
         ggml.ggml_backend_register(reg)
+    # A context reusing its graph asks the server to recompute the one it stored, but the server
+    # drops its stored graphs whenever any buffer is freed (another context closing), then refuses
+    # the recompute and the client aborts. Contexts made from here on rebuild their graphs instead.
+    os.environ["LLAMA_GRAPH_REUSE_DISABLE"] = "1"
     return names
 
 

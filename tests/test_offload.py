@@ -122,3 +122,27 @@ def test_kernels_run_on_the_device(rpc_endpoint):
     assert out["cpu"]["on"] == "CPU" and out["RPC0"]["on"].startswith("RPC0")
     for key in ("pool", "zip"):  # the same f32 graph on the same CPU code behind the socket
         np.testing.assert_array_equal(np.array(out["RPC0"][key]), np.array(out["cpu"][key]))
+
+
+CONTEXT_CLOSES = """
+import sys
+from kvlite.native import rpc_add_servers
+rpc_add_servers(sys.argv[1])
+from kvlite.engine import Context, Model
+m = Model(sys.argv[2], n_gpu_layers=99)
+a = Context(m, 256, n_batch=32)
+a.decode([5], [0])
+a.decode([6], [1])  # the same graph again: llama.cpp reuses it
+Context(m, 256, n_batch=32).close()  # frees buffers on the server between two of a's decodes
+a.decode([7], [2])
+a.state_get(0)  # waits for the server
+print("done")
+"""
+
+
+def test_a_context_closing_between_another_contexts_decodes(rpc_endpoint, tiny_paths):
+    """ggml's RPC server drops its stored graphs when any buffer is freed, and then refuses a reused
+    graph's recompute: the client aborted (kvlite.native.rpc_add_server turns graph reuse off)."""
+    proc = subprocess.run([sys.executable, "-c", CONTEXT_CLOSES, rpc_endpoint, tiny_paths["llama"]],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]
