@@ -140,6 +140,10 @@ def stages(quick: bool = False) -> list[Stage]:
     # ... the lookahead on a workspace copied to a small context of its own: the pick's selections
     # against tune-proposals-smol-4096's, made on the shared workspace from the same samples
     out.append(stage("tune-copied-smol-4096", smol, TASKS, 4096, 8, "tune", ["full", echokv_spec()], BUDGETS))
+    # ... and fewer proposals where they would pay, Qwen at 16K: the tune split's evidence for a
+    # default there (the long test stages report P=12 and P=6 beside the pick, they choose nothing)
+    out.append(stage("tune-proposals-qwen-16384", qwen, TASKS, 16384, 4, "tune",
+                     ["full", *long_proposal_policies()], long_budgets(16384)))  # fmt: skip
     # ... and where users need eviction: Qwen at 16K and 32K tokens, 1% and 2% budgets
     out += [stage(f"long-test-qwen-{length}", qwen, TASKS, length, N["qwen"], "test", long_policies(length),
                   long_budgets(length)) for length in LONG]  # fmt: skip
@@ -179,6 +183,12 @@ PROPOSALS = [12, 6, 3]  # tried on the tune split
 # beside the pick at 16K and 32K: P=12, the tune split's pick among PROPOSALS, and P=6, which lost
 # one of 24 samples there
 LONG_PROPOSALS = [12, 6]
+
+
+def long_proposal_policies() -> list[str]:
+    """The pick and LONG_PROPOSALS, as the long test stages run them."""
+    e = echokv_spec()
+    return [e, *(with_param(e, f"P={p}") for p in LONG_PROPOSALS)]
 
 
 def proposal_policies() -> list[str]:
@@ -497,29 +507,32 @@ def long_section(records: list[dict]) -> str:
 def proposals_section(records: list[dict]) -> str:
     """Issue 29 on the tune split: EchoKV with S x P proposals against the pick (S x T): the score,
     the evidence in each workspace and in the kept cells, how many of the pick's kept cells each
-    keeps too, the eviction's time; and the score paired by sample."""
+    keeps too, the eviction's time; and the score paired by sample. One row per model and length."""
     order = proposal_policies()
     e, *fewer = order
-    by: dict = defaultdict(dict)  # (policy, budget) -> (task, sample) -> record
+    by: dict = defaultdict(dict)  # (model · length, policy, budget) -> (task, sample) -> record
     for r in records:
         if "score" in r and r["policy"] in order:
-            by[(r["policy"], r["budget"])][(r["task"], r["sample"])] = r
-    head = ["policy", "budget", "score [95% CI]", "KL", "evidence in W1", "in W2", "evidence kept",
+            by[(model_length(r), r["policy"], r["budget"])][(r["task"], r["sample"])] = r
+    head = ["samples", "policy", "budget", "score [95% CI]", "KL", "evidence in W1", "in W2", "evidence kept",
             "the pick's kept cells kept", "scoring s", "n"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for (policy, budget), cells in sorted(by.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+    for (group, policy, budget), cells in sorted(
+        by.items(), key=lambda kv: (kv[0][0], kv[0][2], order.index(kv[0][1]))
+    ):
         rs = list(cells.values())
-        pick = by.get((e, budget), {})
+        pick = by.get((group, e, budget), {})
         shared = [len(set(r["kept"]) & set(pick[k]["kept"])) / len(pick[k]["kept"])
                   for k, r in cells.items() if k in pick]  # fmt: skip
         views = [[r["workspace_evidence"][i] for r in rs if len(r["workspace_evidence"]) > i] for i in (0, 1)]
         timed = [r["time"]["policy_s"] for r in rs if not r.get("scores_reused")]
-        row = [policy, str(budget), stats.bootstrap_mean([r["score"] for r in rs]).fmt()]
+        row = [group, policy, str(budget), stats.bootstrap_mean([r["score"] for r in rs]).fmt()]
         row += [f"{np.mean([r['kl'] for r in rs]):.3f}", *(f"{100 * np.mean(v):.0f}%" if v else "-" for v in views)]
         row += [f"{100 * np.mean([r['evidence_kept'] for r in rs]):.0f}%", f"{100 * np.mean(shared):.1f}%",
                 f"{np.median(timed):.2f}" if timed else "-", str(len(rs))]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
-    paired = report.compare_markdown(records, [(p, e) for p in fewer], BUDGETS, lambda r: r["model"], str)
+    budgets = sorted({budget for _, _, budget in by})
+    paired = report.compare_markdown(records, [(p, e) for p in fewer], budgets, model_length, str)
     return "\n".join(lines) + "\n\nPaired by sample against the pick (** where the interval excludes 0):\n\n" + paired
 
 
@@ -790,9 +803,11 @@ the same samples' on the shared workspace (tune-proposals-smol-4096's records):
 PROPOSALS_TEXT = """EchoKV's bootstrap rotates each of its S=16 anchors to all T=24 future positions: 384 proposals
 pooled over every cached key of every layer, most of a long prompt's eviction time
 ([cache.md](cache.md), "Where an eviction's time goes"). `P=n` rotates them to n of the 24 positions,
-spread evenly (`--proposals n`), and costs n/24 of that pass. SmolLM2 at 4K, 8 samples of each task,
-the tune split: the cells the pick (P = T = 24) keeps are the reference; the scoring time is one
-eviction's, median over samples.
+spread evenly (`--proposals n`), and costs n/24 of that pass. The tune split: SmolLM2 at 4K, 8 samples
+of each task; Qwen2.5-0.5B at 16K, 4 of each at 1% and 2% of the prompt, where the pass costs most
+(the evidence a default for long prompts would be chosen on; the long test stages report P=12 and
+P=6 beside the pick). The cells the pick (P = T = 24) keeps are the reference; the scoring time is
+one eviction's, median over samples.
 """
 
 
