@@ -1,19 +1,47 @@
-"""Progress bars for long prefills and runs, on stderr and only when it is a terminal."""
+"""Progress on stderr: a bar when it is a terminal; for a grid run in the background (stderr a
+file), a line per finished cell instead, as a log."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, desc: str, min_total: int = 0, unit: str = "tok") -> Iterator[Callable[[int], None]]:
-    """Yields an `advance(n)` callable; a no-op unless stderr is a TTY and total >= min_total."""
-    if total < min_total or not sys.stderr.isatty():
+def progress_bar(
+    total: int, desc: str, min_total: int = 0, unit: str = "tok", lines: bool = False
+) -> Iterator[Callable[[int], None]]:
+    """Yields an `advance(n)` callable: a bar when stderr is a TTY and total >= min_total; else,
+    with lines, one line per advance with the count and the time left at the rate so far."""
+    if total < min_total or not (sys.stderr.isatty() or lines):
         yield lambda n: None
+        return
+    if not sys.stderr.isatty():
+        yield _log_lines(total, desc, unit)
         return
     from tqdm import tqdm
 
     with tqdm(total=total, desc=desc, unit=unit, leave=False, file=sys.stderr) as bar:
         yield bar.update
+
+
+def _log_lines(total: int, desc: str, unit: str) -> Callable[[int], None]:
+    start, done = time.monotonic(), 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        spent = time.monotonic() - start
+        left = spent / done * (total - done) if done else 0.0
+        print(f"[{desc}] {done}/{total} {unit}s, {_clock(spent)} spent, ~{_clock(left)} left",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    return advance
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"

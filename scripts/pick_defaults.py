@@ -55,7 +55,7 @@ def main() -> None:
         cfg = GridConfig(models=[args.model], tasks=tasks, lengths=[length], n=n, split="tune",
                          policies=BASELINES + specs, budgets=budgets, threads=args.threads, out=str(out))  # fmt: skip
         grid = Grid(cfg)
-        with progress_bar(grid.count_todo(), f"n={n}", unit="cell") as bar:
+        with progress_bar(grid.count_todo(), f"n={n}", unit="cell", lines=True) as bar:
             grid.run(progress=bar)
         return tune.tune_only(read_records(out))
 

@@ -243,7 +243,7 @@ def with_question(spec: str) -> str:
 def run(stage: Stage, out: pathlib.Path, threads: int | None) -> float:
     grid = Grid(GridConfig(out=str(out / stage.name), threads=threads, **stage.cfg))
     t0 = time.perf_counter()
-    with progress_bar(grid.count_todo(), stage.name, unit="cell") as bar:
+    with progress_bar(grid.count_todo(), stage.name, unit="cell", lines=True) as bar:
         grid.run(progress=bar)
     if grid.failures:
         print(f"{stage.name}: {grid.failures} failure(s), see {out / stage.name}/errors.jsonl", file=sys.stderr)

@@ -228,6 +228,10 @@ def test_config_file_with_cli_overrides_and_json(tiny_paths, tmp_path):
         ("vt/300", "full", None, 1), ("vt/300", "tova", 48, 1), ("vt/300", "echokv(T=2,B1=64)", 48, 1)
     }  # fmt: skip
     assert "harness overhead" not in r.stdout  # stdout is the JSON alone
+    # stderr is not a terminal: a line per finished cell, the log of a run in the background
+    logged = [line for line in r.stderr.splitlines() if line.startswith("[eval] ")]
+    assert [line.split(" cells")[0] for line in logged] == ["[eval] 1/3", "[eval] 2/3", "[eval] 3/3"], r.stderr
+    assert logged[-1].endswith("~0:00:00 left")
 
 
 def test_restored_cache_agrees_with_llama_state(tiny_model, prompt):

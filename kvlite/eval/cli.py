@@ -125,7 +125,7 @@ def cmd_eval(args) -> int:
         print(f"[kvlite eval] merged: {out} held {before} records, now {len(merged)}", file=sys.stderr)
     else:
         grid = Grid(cfg)
-        with progress_bar(grid.count_todo(), "eval", unit="cell") as bar:
+        with progress_bar(grid.count_todo(), "eval", unit="cell", lines=True) as bar:
             if cfg.ray:
                 from .distributed import run as run_on_ray
 
