@@ -808,6 +808,13 @@ of each task; Qwen2.5-0.5B at 16K, 4 of each at 1% and 2% of the prompt, where t
 (the evidence a default for long prompts would be chosen on; the long test stages report P=12 and
 P=6 beside the pick). The cells the pick (P = T = 24) keeps are the reference; the scoring time is
 one eviction's, median over samples.
+
+The rule for a long-prompt default, written down before the 16K stage ran: below 16K tokens the
+default stays P = T (what every test table reports). From 16K, where the proposals' pass is what
+misses the cost target, the default becomes the smallest P of {6, 12} that at 16K on this split
+scores on average no lower than the pick at either budget (paired, by sample) and keeps at least
+98% of the pick's cells on average; if neither does, P = T stays. The 16K and 32K test stages then
+report it, having chosen nothing.
 """
 
 
