@@ -32,6 +32,7 @@ from kvlite.eval import report, stats, tune  # noqa: E402
 from kvlite.eval.grid import Grid, GridConfig  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
 from kvlite.eval.tasks import PASTE  # noqa: E402
+from kvlite.policies.lookahead import LONG_CACHE, LONG_PROPOSALS  # noqa: E402
 from kvlite.progress import progress_bar  # noqa: E402
 
 MODELS = {"smol": "default", "qwen": "qwen2.5-coder-0.5b", "gemma": "gemma3-270m"}
@@ -140,8 +141,8 @@ def stages(quick: bool = False) -> list[Stage]:
     # ... the lookahead on a workspace copied to a small context of its own: the pick's selections
     # against tune-proposals-smol-4096's, made on the shared workspace from the same samples
     out.append(stage("tune-copied-smol-4096", smol, TASKS, 4096, 8, "tune", ["full", echokv_spec()], BUDGETS))
-    # ... and fewer proposals where they would pay, Qwen at 16K: the tune split's evidence for a
-    # default there (the long test stages report P=12 and P=6 beside the pick, they choose nothing)
+    # ... and fewer proposals where they would pay, Qwen at 16K: the evidence EchoKV's default P
+    # from LONG_CACHE cells was chosen on (the long test stages report P=24 and P=12 beside it)
     out.append(stage("tune-proposals-qwen-16384", qwen, TASKS, 16384, 4, "tune",
                      ["full", *long_proposal_policies()], long_budgets(16384)))  # fmt: skip
     # ... and where users need eviction: Qwen at 16K and 32K tokens, 1% and 2% budgets
@@ -168,8 +169,8 @@ def long_specs(length: int) -> dict[str, str]:
     laq = laq_spec(e)
     if max(long_budgets(length)) > int(spec_params(e)["B1"]):
         e, laq = without_param(e, "B1"), without_param(laq, "B1")
-    named = {"snapkv": "snapkv", "laq": laq, "echokv": e}
-    named.update({f"echokv, P={p}": with_param(e, f"P={p}") for p in LONG_PROPOSALS})
+    named = {"snapkv": "snapkv", "laq": laq, "echokv": e}  # e: P = LONG_PROPOSALS, its default at these lengths
+    named.update({f"echokv, P={p}": with_param(e, f"P={p}") for p in LONG_OTHER_P})
     named["kvzip"] = "kvzip"
     named.update({f"{n}, chunked": with_param(named[n], f"mode=chunked,h={length // 128}") for n in ("echokv", "laq")})
     return named
@@ -180,15 +181,16 @@ def long_policies(length: int) -> list[str]:
 
 
 PROPOSALS = [12, 6, 3]  # tried on the tune split
-# beside the pick at 16K and 32K: P=12, the tune split's pick among PROPOSALS, and P=6, which lost
-# one of 24 samples there
-LONG_PROPOSALS = [12, 6]
+# beside EchoKV's default at 16K and 32K (P = LONG_PROPOSALS from LONG_CACHE cells): the tune
+# split's pick P = T = 24, and P=12, which tied it at 4K
+LONG_OTHER_P = [24, 12]
 
 
 def long_proposal_policies() -> list[str]:
-    """The pick and LONG_PROPOSALS, as the long test stages run them."""
+    """EchoKV's default at long lengths (P = LONG_PROPOSALS) and LONG_OTHER_P, as the long test
+    stages run them."""
     e = echokv_spec()
-    return [e, *(with_param(e, f"P={p}") for p in LONG_PROPOSALS)]
+    return [e, *(with_param(e, f"P={p}") for p in LONG_OTHER_P)]
 
 
 def proposal_policies() -> list[str]:
@@ -494,7 +496,7 @@ def long_section(records: list[dict]) -> str:
         s = {"streaming": "streaming", "full": "full", **long_specs(length)}
         named = [("streaming", "full"), ("snapkv", "full"), ("laq", "full"), ("echokv", "full"), ("kvzip", "full"),
                  ("echokv", "laq"), ("echokv", "snapkv"), ("echokv", "kvzip"),
-                 *((f"echokv, P={p}", "echokv") for p in LONG_PROPOSALS),
+                 *((f"echokv, P={p}", "echokv") for p in LONG_OTHER_P),
                  ("echokv, chunked", "full"), ("laq, chunked", "full"), ("echokv, chunked", "laq, chunked"),
                  ("echokv, chunked", "echokv")]  # fmt: skip
         pairs = [(s[a], s[b]) for a, b in named]
@@ -508,32 +510,47 @@ def proposals_section(records: list[dict]) -> str:
     """Issue 29 on the tune split: EchoKV with S x P proposals against the pick (S x T): the score,
     the evidence in each workspace and in the kept cells, how many of the pick's kept cells each
     keeps too, the eviction's time; and the score paired by sample. One row per model and length."""
-    order = proposal_policies()
-    e, *fewer = order
-    by: dict = defaultdict(dict)  # (model · length, policy, budget) -> (task, sample) -> record
+    pick, rows = "P = T = 24", []
     for r in records:
-        if "score" in r and r["policy"] in order:
-            by[(model_length(r), r["policy"], r["budget"])][(r["task"], r["sample"])] = r
-    head = ["samples", "policy", "budget", "score [95% CI]", "KL", "evidence in W1", "in W2", "evidence kept",
+        name = proposals_name(r)
+        if name and "score" in r:
+            rows.append({**r, "policy": name})
+    by: dict = defaultdict(dict)  # (model · length, P, budget) -> (task, sample) -> record
+    for r in rows:
+        by[(model_length(r), r["policy"], r["budget"])][(r["task"], r["sample"])] = r
+    head = ["samples", "P", "budget", "score [95% CI]", "KL", "evidence in W1", "in W2", "evidence kept",
             "the pick's kept cells kept", "scoring s", "n"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for (group, policy, budget), cells in sorted(
-        by.items(), key=lambda kv: (kv[0][0], kv[0][2], order.index(kv[0][1]))
-    ):
+
+    def count(name: str) -> int:  # "P = T = 24", "P=6, the default": 24, 6
+        return int(name.split("=")[-1].split(",")[0])
+
+    for (group, name, budget), cells in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2], -count(kv[0][1]))):
         rs = list(cells.values())
-        pick = by.get((group, e, budget), {})
-        shared = [len(set(r["kept"]) & set(pick[k]["kept"])) / len(pick[k]["kept"])
-                  for k, r in cells.items() if k in pick]  # fmt: skip
+        ref = by.get((group, pick, budget), {})
+        shared = [len(set(r["kept"]) & set(ref[k]["kept"])) / len(ref[k]["kept"])
+                  for k, r in cells.items() if k in ref]  # fmt: skip
         views = [[r["workspace_evidence"][i] for r in rs if len(r["workspace_evidence"]) > i] for i in (0, 1)]
         timed = [r["time"]["policy_s"] for r in rs if not r.get("scores_reused")]
-        row = [group, policy, str(budget), stats.bootstrap_mean([r["score"] for r in rs]).fmt()]
+        row = [group, name, str(budget), stats.bootstrap_mean([r["score"] for r in rs]).fmt()]
         row += [f"{np.mean([r['kl'] for r in rs]):.3f}", *(f"{100 * np.mean(v):.0f}%" if v else "-" for v in views)]
         row += [f"{100 * np.mean([r['evidence_kept'] for r in rs]):.0f}%", f"{100 * np.mean(shared):.1f}%",
                 f"{np.median(timed):.2f}" if timed else "-", str(len(rs))]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     budgets = sorted({budget for _, _, budget in by})
-    paired = report.compare_markdown(records, [(p, e) for p in fewer], budgets, model_length, str)
+    others = sorted({name for _, name, _ in by} - {pick})
+    paired = report.compare_markdown(rows, [(n, pick) for n in others], budgets, model_length, str)
     return "\n".join(lines) + "\n\nPaired by sample against the pick (** where the interval excludes 0):\n\n" + paired
+
+
+def proposals_name(r: dict) -> str | None:
+    """How the proposals tables name an EchoKV record by the P it ran with: the pick's spec with no
+    P ran P = T below LONG_CACHE prompt tokens and P = LONG_PROPOSALS from there (None: not one)."""
+    e = echokv_spec()
+    if r["policy"] == e:
+        return f"P={LONG_PROPOSALS}, the default" if r["prompt_tokens"] >= LONG_CACHE else "P = T = 24"
+    p = next((p for p in (24, *PROPOSALS) if r["policy"] == with_param(e, f"P={p}")), None)
+    return None if p is None else "P = T = 24" if p == 24 else f"P={p}"
 
 
 def copied_section(copied: list[dict], shared: list[dict]) -> str:
@@ -746,7 +763,10 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "default's rule there, B1 = the budget above 512 (LAQ's own: 1024), as `--budget 655` gets. Samples run "
         f"task by task in turn; a length is complete at {3 * N['qwen']} samples. The first two (single 0 and 1) ran "
         "their lookahead on the shared workspace, the rest on a copied one (the same values summed in another "
-        'order: "The lookahead on a copied workspace" below).\n',
+        'order: "The lookahead on a copied workspace" below). `echokv` is its default at these lengths, P=6 '
+        'proposals (chosen on the tune split at 16K: "EchoKV with fewer proposals" below); P=24 is the pick '
+        "the shorter test tables report, P=12 between. Records of single 0 to multikey 0, made before that default, "
+        "ran P=6 under an explicit `P=6` and the pick under the spec now named P=24; they were renamed so.\n",
         long_section(long_test) if long_test else "(not run yet)\n",
         "\n## EchoKV with fewer proposals (tune split, issue 29)\n",
         PROPOSALS_TEXT,
@@ -804,10 +824,9 @@ PROPOSALS_TEXT = """EchoKV's bootstrap rotates each of its S=16 anchors to all T
 pooled over every cached key of every layer, most of a long prompt's eviction time
 ([cache.md](cache.md), "Where an eviction's time goes"). `P=n` rotates them to n of the 24 positions,
 spread evenly (`--proposals n`), and costs n/24 of that pass. The tune split: SmolLM2 at 4K, 8 samples
-of each task; Qwen2.5-0.5B at 16K, 4 of each at 1% and 2% of the prompt, where the pass costs most
-(the evidence a default for long prompts would be chosen on; the long test stages report P=12 and
-P=6 beside the pick). The cells the pick (P = T = 24) keeps are the reference; the scoring time is
-one eviction's, median over samples.
+of each task; Qwen2.5-0.5B at 16K, 4 of each at 1% and 2% of the prompt, where the pass costs most.
+The cells the pick (P = T = 24) keeps are the reference; the scoring time is one eviction's, median
+over samples.
 
 The rule for a long-prompt default, written down before the 16K stage ran: below 16K tokens the
 default stays P = T (what every test table reports). From 16K, where the proposals' pass is what
@@ -815,6 +834,11 @@ misses the cost target, the default becomes the smallest P of {6, 12} that at 16
 scores on average no lower than the pick at either budget (paired, by sample) and keeps at least
 98% of the pick's cells on average; if neither does, P = T stays. The 16K and 32K test stages then
 report it, having chosen nothing.
+
+Applied: at 16K, P=6 scored as the pick on all 12 samples at both budgets and kept 99.2% and 99.8%
+of its cells, in a quarter of the scoring time (3.6 s against 15.2). So EchoKV's default is P=6 from
+16,000 resident cells (`kvlite/policies/lookahead.py`, LONG_CACHE), P = T below; `--proposals`
+overrides both. The long test stages report P=24 and P=12 beside it.
 """
 
 
@@ -989,9 +1013,9 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   "Long prompts" above, with its n) resume across sessions; until a length is complete nothing here
   rests on it. What is measured is the cost ([cache.md](cache.md), "Where an eviction's time goes"):
   EchoKV's eviction is 3.5% of a 16K prompt's reading on Qwen2.5-0.5B in a profile (4-6.5% in whole
-  runs; time to the first token 1.01-1.07x) and 1.9% at 32K, LAQ's 0.6% and 0.4%; `--proposals 12`
-  (tied with the pick on the tune split) or `--proposals 6` cut EchoKV's proposals' pass 2x or 4x
-  (P=6: 1.1%, 1.8-2.9% in whole runs, 0.98-1.02x).
+  runs; time to the first token 1.01-1.07x) and 1.9% at 32K, LAQ's 0.6% and 0.4%, with all T=24
+  proposals. From 16,000 cells EchoKV's default is now P=6 (chosen on the tune split at 16K, "EchoKV
+  with fewer proposals"): 1.1% of the reading in the profile, 1.8-2.9% in whole runs, 0.98-1.02x.
 - **A long generation under a fixed memory** (chunked mode, `--cache J`): StreamingLLM is as good as
   anything measured here and the cheapest; nothing kept a long recall intact at J = 256.
 - **Not recommended on these models**: `cc`, `cc-fast`, `cc-blind` (they evict the stated-once

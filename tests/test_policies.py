@@ -59,6 +59,24 @@ def test_echokv_proposals_at_every_position_are_the_default(tiny_model):
     assert kept[6] == kept[None] and kept[1] != kept[None]
 
 
+def test_echokv_default_proposals_from_a_long_cache(tiny_model, monkeypatch):
+    """From LONG_CACHE resident cells (16000; here lowered to the prompt's 300) the default rotates
+    each anchor to LONG_PROPOSALS of the T positions: the cells P=2 keeps, not those P = T keeps.
+    An explicit P, or T below LONG_PROPOSALS, holds whatever the length."""
+    monkeypatch.setattr("kvlite.policies.lookahead.LONG_PROPOSALS", 2)
+    short = _run(tiny_model, "echokv", lookahead=6, workspace=128)[0].cache.positions().tolist()
+    monkeypatch.setattr("kvlite.policies.lookahead.LONG_CACHE", 300)
+    kept = {p: _run(tiny_model, "echokv", lookahead=6, workspace=128, proposals=p)[0].cache.positions().tolist()
+            for p in (None, 2, 6)}  # fmt: skip
+    assert kept[None] == kept[2] != kept[6] == short
+    echo = _policy("echokv", lookahead=6)
+    assert [echo.proposal_count(n) for n in (299, 300)] == [None, 2]
+    assert _policy("echokv", lookahead=6, proposals=4).proposal_count(10**6) == 4
+    assert _policy("echokv", lookahead=2).proposal_count(10**6) == 2
+    monkeypatch.setattr("kvlite.policies.lookahead.LONG_PROPOSALS", 8)
+    assert echo.proposal_count(10**6) == 6  # at most T
+
+
 def test_policies_score_differently(tiny_model):
     kept = {name: tuple(_run(tiny_model, name, lookahead=4, workspace=128)[0].cache.positions()) for name in SCORED}
     assert len(set(kept.values())) >= len(SCORED) - 2  # not one selection in disguise
