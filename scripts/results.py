@@ -1012,10 +1012,10 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
 - **Long prompts (16K tokens and up)**: not concluded yet. The 16K and 32K test stages (the table
   "Long prompts" above, with its n) resume across sessions; until a length is complete nothing here
   rests on it. What is measured is the cost ([cache.md](cache.md), "Where an eviction's time goes"):
-  EchoKV's eviction is 3.5% of a 16K prompt's reading on Qwen2.5-0.5B in a profile (4-6.5% in whole
-  runs; time to the first token 1.01-1.07x) and 1.9% at 32K, LAQ's 0.6% and 0.4%, with all T=24
+  EchoKV's eviction is 3.5% of a 16K prompt's reading on Qwen2.5-0.5B in a profile (4-7% in whole
+  runs; time to the first token 1.01-1.18x) and 1.9% at 32K, LAQ's 0.6% and 0.4%, with all T=24
   proposals. From 16,000 cells EchoKV's default is now P=6 (chosen on the tune split at 16K, "EchoKV
-  with fewer proposals"): 1.1% of the reading in the profile, 1.8-2.9% in whole runs, 0.98-1.02x.
+  with fewer proposals"): 1.1% of the reading in the profile, 1.8-2.9% in whole runs, 0.98-1.10x.
 - **A long generation under a fixed memory** (chunked mode, `--cache J`): StreamingLLM is as good as
   anything measured here and the cheapest; nothing kept a long recall intact at J = 256.
 - **Not recommended on these models**: `cc`, `cc-fast`, `cc-blind` (they evict the stated-once
