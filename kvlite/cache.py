@@ -312,21 +312,16 @@ class KVCache:
     def workspace_create(self, keep: Iterable[int]) -> None:
         """A view of some live positions. Shared: the workspace sequence views the live cells, and
         every lookahead step attends over the whole cache's span. Copied, when the view is at most
-        1/COPY_AT of the resident cells, the Runner gave a `workspace_context` and the cells are on
-        the CPU (copies_workspaces): the viewed cells
-        go to a small context of their own, whose steps attend over those cells only (docs/cache.md,
-        "Where an eviction's time goes")."""
+        1/COPY_AT of the resident cells and the Runner gave a `workspace_context` (it does where
+        copies_workspaces): the viewed cells go to a small context of their own, whose steps attend
+        over those cells only (docs/cache.md, "Where an eviction's time goes")."""
         if self.workspace_active:
             raise KvliteError("a workspace already exists")
         keep = np.unique(np.fromiter(keep, dtype=np.int64))
         self.workspace_active = True
         self._ws_prompt[:] = False
         self._ws_tokens = []
-        if (
-            self.workspace_context is not None
-            and len(keep) * COPY_AT <= self.n_resident
-            and copies_workspaces(self.ctx)
-        ):
+        if self.workspace_context is not None and len(keep) * COPY_AT <= self.n_resident:
             # room for this view: a later one of the same size (EchoKV's repair) removes cells
             # before it loads others (llama.cpp loads a sequence into free cells wherever they are)
             self._side = self.workspace_context(len(keep))

@@ -15,10 +15,11 @@ def progress_bar(
 ) -> Iterator[Callable[[int], None]]:
     """Yields an `advance(n)` callable: a bar when stderr is a TTY and total >= min_total; else,
     with lines, one line per advance with the count and the time left at the rate so far."""
-    if total < min_total or not (sys.stderr.isatty() or lines):
+    tty = sys.stderr.isatty()
+    if total < min_total or not (tty or lines):
         yield lambda n: None
         return
-    if not sys.stderr.isatty():
+    if not tty:
         yield _log_lines(total, desc, unit)
         return
     from tqdm import tqdm

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .cache import KVCache, Snapshot
+from .cache import KVCache, Snapshot, copies_workspaces
 from .engine import Capture, Context, Model, Pool, Sampler, SamplingParams
 from .errors import KvliteError
 from .policies import FullKV, Policy
@@ -105,7 +105,8 @@ class Runner:
                 self.ctx = pool.ctx
             hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
             self.cache = KVCache(self.ctx, hidden_layer=hidden_layer, lane=lane)
-            if pool is None and self.policy.lookahead_cells():
+            # a pool's lanes keep the shared view: their decodes meet in one batch on one context
+            if pool is None and self.policy.lookahead_cells() and copies_workspaces(self.ctx):
                 self.cache.workspace_context = self._workspace_context
         except BaseException:
             if pool is not None:

@@ -510,10 +510,13 @@ def proposals_section(records: list[dict]) -> str:
     """Issue 29 on the tune split: EchoKV with S x P proposals against the pick (S x T): the score,
     the evidence in each workspace and in the kept cells, how many of the pick's kept cells each
     keeps too, the eviction's time; and the score paired by sample. One row per model and length."""
-    pick, rows = "P = T = 24", []
+    e, pick, rows = echokv_spec(), "P = T = 24", []
+    ran: dict[str, int] = {}  # a row's name -> the P it ran
     for r in records:
-        name = proposals_name(r)
-        if name and "score" in r:
+        p = proposals_ran(r)
+        if p is not None and "score" in r:
+            name = pick if p == 24 else f"P={p}, the default" if r["policy"] == e else f"P={p}"
+            ran[name] = p
             rows.append({**r, "policy": name})
     by: dict = defaultdict(dict)  # (model · length, P, budget) -> (task, sample) -> record
     for r in rows:
@@ -521,11 +524,7 @@ def proposals_section(records: list[dict]) -> str:
     head = ["samples", "P", "budget", "score [95% CI]", "KL", "evidence in W1", "in W2", "evidence kept",
             "the pick's kept cells kept", "scoring s", "n"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-
-    def count(name: str) -> int:  # "P = T = 24", "P=6, the default": 24, 6
-        return int(name.split("=")[-1].split(",")[0])
-
-    for (group, name, budget), cells in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2], -count(kv[0][1]))):
+    for (group, name, budget), cells in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][2], -ran[kv[0][1]])):
         rs = list(cells.values())
         ref = by.get((group, pick, budget), {})
         shared = [len(set(r["kept"]) & set(ref[k]["kept"])) / len(ref[k]["kept"])
@@ -543,14 +542,13 @@ def proposals_section(records: list[dict]) -> str:
     return "\n".join(lines) + "\n\nPaired by sample against the pick (** where the interval excludes 0):\n\n" + paired
 
 
-def proposals_name(r: dict) -> str | None:
-    """How the proposals tables name an EchoKV record by the P it ran with: the pick's spec with no
-    P ran P = T below LONG_CACHE prompt tokens and P = LONG_PROPOSALS from there (None: not one)."""
+def proposals_ran(r: dict) -> int | None:
+    """The P an EchoKV record of the proposals stages ran with (None: not one of them): the pick's
+    spec with no P ran P = T = 24 below LONG_CACHE prompt tokens and LONG_PROPOSALS from there."""
     e = echokv_spec()
     if r["policy"] == e:
-        return f"P={LONG_PROPOSALS}, the default" if r["prompt_tokens"] >= LONG_CACHE else "P = T = 24"
-    p = next((p for p in (24, *PROPOSALS) if r["policy"] == with_param(e, f"P={p}")), None)
-    return None if p is None else "P = T = 24" if p == 24 else f"P={p}"
+        return LONG_PROPOSALS if r["prompt_tokens"] >= LONG_CACHE else 24
+    return next((p for p in (24, *PROPOSALS) if r["policy"] == with_param(e, f"P={p}")), None)
 
 
 def copied_section(copied: list[dict], shared: list[dict]) -> str:

@@ -88,7 +88,6 @@ def copying(cache: KVCache, monkeypatch) -> KVCache:
     """Every workspace of the cache copied to a small context of its own (a Runner's rule copies
     only views of at most a quarter of the resident cells)."""
     monkeypatch.setattr("kvlite.cache.COPY_AT", 1)
-    monkeypatch.setattr("kvlite.cache.copies_workspaces", lambda ctx: True)  # on a device as well
     cache.workspace_context = lambda n: Context(cache.ctx.model, n + 512, n_batch=32)  # room for any ws_add
     return cache
 
@@ -112,11 +111,10 @@ def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_mode
     assert ctx.state_get(LIVE) == before
 
 
-def test_a_copied_view_swaps_half_its_cells_in_a_context_with_room_for_one_view(tiny_arch_model, monkeypatch):
+def test_a_copied_view_swaps_half_its_cells_in_a_context_with_room_for_one_view(tiny_arch_model):
     """EchoKV's repair on a copied workspace: half the view removed, as many other cells loaded,
     in a context made with room for the view and the lookahead only: the cells freed are not one
     run, and what is left after the first view is less than the 100 loaded."""
-    monkeypatch.setattr("kvlite.cache.copies_workspaces", lambda ctx: True)  # on a device as well
     cache = KVCache(Context(tiny_arch_model, n_ctx=1024, n_batch=64))
     rng = np.random.default_rng(3)
     cache.append([int(t) for t in rng.integers(3, 300, size=900)])

@@ -126,7 +126,7 @@ def test_a_copied_workspace_scores_as_the_shared_one(tiny_path, name, monkeypatc
     cells, on every architecture's tiny model. The small context is gone after the eviction."""
     from kvlite.engine import Model
 
-    monkeypatch.setattr("kvlite.cache.copies_workspaces", lambda ctx: True)  # on a device as well
+    monkeypatch.setattr("kvlite.runner.copies_workspaces", lambda ctx: True)  # on a device as well
     model = Model(tiny_path)
     rng = np.random.default_rng(2)
     tokens = [int(t) for t in rng.integers(3, model.n_vocab, size=600)]
