@@ -5,7 +5,9 @@ otherwise idle. A round's ratio is the policy run's wall time over the round's f
 median over rounds is reported, with the range. The eviction's share is the policy run's own
 timers: the eviction over the prompt's reading before it. The peak RSS of each process is read
 from /proc (bench_memory.generate_peak). On a shared 2-core machine single runs vary by up to ~10%:
-the share is the steadier number, and enough rounds are needed for a ratio near 1.05x.
+the share is the steadier number, and enough rounds are needed for a ratio near 1.05x. After each
+policy run one fixed pooling call is timed here (the kernel probe): the machine's speed just after
+that run's eviction, which moves by a third between minutes (docs/cache.md).
 
 usage: python scripts/bench_ttft.py [--tokens 8192,16384] [-m MODEL]
        [--policies "echokv,echokv --proposals 6"] [--budget-pct 2] [--rounds 3] [-t THREADS] [--json]
@@ -22,10 +24,12 @@ import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import numpy as np  # noqa: E402
 from bench_memory import generate_peak, prose_tokens  # noqa: E402
 
 from kvlite.engine import Model  # noqa: E402
 from kvlite.models import resolve_model  # noqa: E402
+from kvlite.native import native  # noqa: E402
 
 
 def timed(prompt_file: str, *flags: str) -> dict:
@@ -33,6 +37,23 @@ def timed(prompt_file: str, *flags: str) -> dict:
     r = generate_peak(prompt_file, "-n", "1", *flags)
     r["wall_s"] = time.perf_counter() - t0
     return r
+
+
+def kernel_probe_ms(threads: int) -> float:
+    """The machine's speed now: one fixed pooling call (a Qwen layer's 96 proposals over 16K f16
+    keys, random), best of three."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 14, 96, 64), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 16384, 64)).astype(np.float16)
+    kernels = native()
+    kernels.set_threads(threads)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        kernels.attn_pool(q, k)
+        times.append(time.perf_counter() - t0)
+    kernels.release()
+    return 1000 * min(times)
 
 
 def bench(model_arg: str | None, n_tokens: int, policies: list[str], budget: int, rounds: int, threads: int) -> dict:
@@ -55,17 +76,19 @@ def bench(model_arg: str | None, n_tokens: int, policies: list[str], budget: int
             for spec in policies:
                 name, *flags = spec.split()
                 run = timed(f.name, *common, "--policy", name, "--budget", str(budget), *flags)
+                probe_ms = kernel_probe_ms(threads)
                 t = run["timings"]
                 read_s = t["prefill_s"] - t["evict_s"]  # the runner's prefill timer holds the eviction
                 row = dict(round=i, full_wall_s=full["wall_s"], policy_wall_s=run["wall_s"],
                            ttft_ratio=run["wall_s"] / full["wall_s"], prefill_s=read_s, evict_s=t["evict_s"],
                            evict_share=t["evict_s"] / read_s, full_peak_mb=full["peak_rss_mb"],
                            policy_peak_mb=run["peak_rss_mb"],
-                           peak_ratio=run["peak_rss_mb"] / full["peak_rss_mb"])  # fmt: skip
+                           peak_ratio=run["peak_rss_mb"] / full["peak_rss_mb"], kernel_probe_ms=probe_ms)  # fmt: skip
                 rows[spec].append(row)
                 print(f"  round {i + 1}/{rounds}: full {full['wall_s']:.1f} s, {spec} {run['wall_s']:.1f} s "
                       f"({row['ttft_ratio']:.3f}x), eviction {t['evict_s']:.2f} s after a {read_s:.1f} s "
-                      f"prefill ({100 * row['evict_share']:.2f}%)", file=sys.stderr, flush=True)  # fmt: skip
+                      f"prefill ({100 * row['evict_share']:.2f}%); kernel probe {probe_ms:.0f} ms",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     def summary(spec: str, key: str) -> dict:
         values = [r[key] for r in rows[spec]]

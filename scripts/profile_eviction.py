@@ -5,7 +5,10 @@ the key reads from llama.cpp's state, compaction, ...), beside the prefill's tim
 the machine: the prefill and the kernels share the cores.
 
 usage: python scripts/profile_eviction.py [--tokens 8192] [--policies "echokv,laq,echokv(P=6)"] [--budget 512]
-       [-m MODEL] [-t THREADS] [--shared] [--json]
+       [-m MODEL] [-t THREADS] [--shared] [--rounds 1] [--json]
+
+--rounds N evicts N times from the same snapshot, each after the kernel probe of bench_ttft.py (one
+fixed pooling call): the machine's speed moves between minutes, and the eviction with it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from bench_memory import prose_tokens  # noqa: E402
+from bench_ttft import kernel_probe_ms  # noqa: E402
 
 from kvlite.cache import Snapshot  # noqa: E402
 from kvlite.engine import Model  # noqa: E402
@@ -91,6 +95,7 @@ def main() -> None:
     ap.add_argument("-m", "--model", default=None)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1, help="evictions of each policy, alternating, each after the probe")
     ap.add_argument("--shared", action="store_true", help="each policy again with its lookahead on the shared "
                     "workspace (no copy to a small context), after the copied run")  # fmt: skip
     args = ap.parse_args()
@@ -102,15 +107,18 @@ def main() -> None:
     prefix = read_prefix(model, tokens[:-TAIL], n_ctx, args.threads)
     prefix_s = time.perf_counter() - t0
     runs = [(name, shared) for name in names for shared in ((False, True) if args.shared else (False,))]
-    for name, shared in runs:
+    for name, shared in runs * args.rounds:
+        probe_ms = kernel_probe_ms(args.threads)
         r = profile(model, tokens, prefix, n_ctx, name, args.budget, args.threads, shared)
-        r["prefill_s"] = prefix_s + r["tail_s"]
+        r["prefill_s"], r["kernel_probe_ms"] = prefix_s + r["tail_s"], probe_ms
         if args.json:
             print(json.dumps(r), flush=True)
             continue
         share = 100 * r["evict_s"] / r["prefill_s"]
-        print(f"{r['policy']} at {r['tokens']} tokens, budget {r['budget']}: prefill {r['prefill_s']:.1f} s, "
-              f"eviction {r['evict_s']:.2f} s ({share:.1f}% of the prefill)")  # fmt: skip
+        print(
+            f"{r['policy']} at {r['tokens']} tokens, budget {r['budget']}: prefill {r['prefill_s']:.1f} s, "
+            f"eviction {r['evict_s']:.2f} s ({share:.1f}% of the prefill; kernel probe {probe_ms:.0f} ms)"
+        )
         for part, s in r["parts"].items():
             print(f"  {part:40s} {s:6.2f} s  {100 * s / r['evict_s']:5.1f}%")
 
