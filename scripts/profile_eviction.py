@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--shared", action="store_true", help="each policy again with its lookahead on the shared "
                     "workspace (no copy to a small context), after the copied run")  # fmt: skip
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     model = Model(resolve_model(args.model))
     tokens = prose_tokens(model, args.tokens)
     names = re.split(r",(?![^(]*\))", args.policies)  # commas outside a spec's parentheses
