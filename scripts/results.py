@@ -320,7 +320,7 @@ def claims_table(records: list[dict]) -> str:
 
 def fidelity_table(records: list[dict], recent: bool = False) -> str:
     """recent: a column for the share of the kept cells in the prompt's last tenth (its closing
-    question too): near 1, as the window's streaming, a policy kept little but the end."""
+    question too): near 1, as streaming's window is, a policy kept little but the end."""
     acc: dict = defaultdict(list)
     for r in records:
         if r["policy"] != "full" and "score" in r:
