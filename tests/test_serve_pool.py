@@ -35,6 +35,12 @@ WORDS = [
 ]
 
 
+# Replies compared across a pool and separate contexts, which sum in other orders: f16 cells round
+# that noise to the next f16 value now and then, a step of up to 2^-10 (test_pool's concurrency
+# test measures it); on f32 cells it was 25 to 100 times smaller there.
+SAME = RunSettings(n_ctx=384, type_k="f32", type_v="f32")
+
+
 def message(i: int, n_words: int) -> str:
     return " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n_words)) + "?"
 
@@ -70,7 +76,7 @@ def test_a_pool_parks_the_least_recently_used_and_answers_as_separate_contexts_d
     Every reply is the reply a server of per-slot contexts gives (the full cache: no choice among
     near-equal scores that the pool's other summation order could tip)."""
     order = [0, 1, 2, 3, 0, 1, 3]
-    settings = RunSettings(n_ctx=384)
+    settings = SAME
     separate = Live(Server(ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings), model=chat_model))
     try:
         expected = converse(separate, order)
@@ -114,7 +120,7 @@ def test_a_parked_conversation_saved_to_a_file_continues_in_another_slot(chat_mo
     """A parked conversation's slot file (its parked cache) restored into another slot of a full
     pool: the restore parks what it needs, and the next turn continues from the restored cells with
     the reply separate contexts give."""
-    settings = RunSettings(n_ctx=384)
+    settings = SAME
     separate = Live(Server(ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings), model=chat_model))
     try:
         expected = converse(separate, [0, 1, 2, 3, 0])
@@ -162,7 +168,7 @@ def test_concurrent_conversations_share_decode_steps_and_answer_as_each_alone(ch
     turns run together, one worker a slot, and their tokens share decode steps (continuous
     batching). Every reply is the reply the conversation (or prompt) gets alone in a server of
     per-slot contexts, and the pool stays llama.cpp's; a completion leaves no cell behind."""
-    settings = RunSettings(n_ctx=384)
+    settings = SAME
     separate = Live(Server(ServeConfig(api_key=KEY, slots=4, n_predict=16, settings=settings), model=chat_model))
     try:
         expected = {i: converse(separate, [i] * 2)[i] for i in range(4)}
