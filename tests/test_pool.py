@@ -136,14 +136,20 @@ def _prompts(seed: int) -> list[list[list[int]]]:
     return [[[int(t) for t in rng.integers(3, 250, size=n)] for n in (70, 20, 30)] for _ in range(3)]
 
 
+def _pool(model: Model, cache: str) -> Pool:
+    """The pool both ways of running the conversations share (one at a time, all at once); cache:
+    its -ctk and -ctv."""
+    return Pool(model, n_cells=768, lanes=3, n_batch=8, type_k=cache, type_v=cache)
+
+
 def _interleaved(
     model: Model, specs: list[str], prompts: list[list[list[int]]], replies: bool = True, cache: str = "f16"
 ) -> list[list]:
     """The conversations on one pool, each turn of each run in turn (as the server runs requests),
     in a rotating order; what each did, turn by turn. replies=False: only the first conversation
     replies, the others only read (their cells then depend on their lengths, not on what a reply
-    generated, when it ended). cache: the pool's -ctk and -ctv."""
-    pool = Pool(model, n_cells=768, lanes=3, n_batch=8, type_k=cache, type_v=cache)
+    generated, when it ended)."""
+    pool = _pool(model, cache)
     runners = [_runner(model, spec, pool) for spec in specs]
     done: list[list] = [[] for _ in prompts]
     for turn in range(3):
@@ -212,7 +218,7 @@ def _concurrent(
 ) -> tuple[list[list], Pool]:
     """The conversations on one pool, each on a thread of its own and all at once (the server's
     continuous batching: their decodes meet in the batcher's steps); what each did, turn by turn."""
-    pool = Pool(model, n_cells=768, lanes=3, n_batch=8, type_k=cache, type_v=cache)
+    pool = _pool(model, cache)
     runners = [_runner(model, spec, pool) for spec in specs]
     done: list[list] = [[] for _ in prompts]
     errors: list[BaseException] = []
