@@ -501,6 +501,7 @@ def long_section(records: list[dict]) -> str:
     """Issue 29: Qwen at 16K and 32K tokens, 1% and 2% budgets: every policy against the full cache,
     and EchoKV against the others, paired by sample; the evidence each kept."""
     out = [pooled_table(records, ["1%", "2%"]), "Paired differences (** where the interval excludes 0):\n"]
+    kl = []
     for length in LONG:  # the specs differ by length (the chunked h; B1 at 32K), so each pairs its own
         rs = [r for r in records if length_of(r) == length]
         s = {"streaming": "streaming", "full": "full", **long_specs(length)}
@@ -510,9 +511,17 @@ def long_section(records: list[dict]) -> str:
                  ("echokv, chunked", "full"), ("laq, chunked", "full"), ("echokv, chunked", "laq, chunked"),
                  ("echokv, chunked", "echokv")]  # fmt: skip
         pairs = [(s[a], s[b]) for a, b in named]
+        kl_pairs = [(s[a], s[b]) for a, b in [("echokv", "laq"), ("echokv, P=24", "laq"), ("echokv, P=24", "echokv")]]
         if rs:
             out.append(report.compare_markdown(rs, pairs, long_budgets(length), model_length, label))
+            kl.append(report.compare_markdown(rs, kl_pairs, long_budgets(length), model_length, label, "kl", 3))
     out += ["\nFidelity, the evidence kept, and where the kept cells sit:\n", fidelity_table(records, recent=True)]
+    out += [
+        "\nEchoKV against LAQ and against its pick (P=24) on the KL to the full cache's next-token "
+        "distributions (nats, averaged over the full cache's answer fed to each; lower is closer), paired by "
+        "sample. P(A <= B): the share of resamples in which A is no farther from the full cache.\n",
+        *kl,
+    ]
     return "\n".join(out)
 
 

@@ -53,3 +53,15 @@ def test_compare_pairs_by_sample_and_skips_unpaired():
     assert (iv.mean, iv.lo, iv.hi, iv.n) == (0.25, 0.0, 0.75, 4)
     md = report.compare_markdown(records, [("laq", "snapkv")], [128])
     assert "| m | 128 | laq - snapkv | 0.25 [0.00, 0.75] | 4 |" in md
+
+
+def test_compare_another_metric():
+    # KL against the full cache, per sample: laq (0.1, 0.3), snapkv (0.5, 0.5); differences -0.4 and
+    # -0.2, so every resample's mean lies in [-0.4, -0.2]. The full cache's record has no KL: skipped.
+    records = [{**rec("laq", 128, 1, i), "kl": kl} for i, kl in enumerate([0.1, 0.3])]
+    records += [{**rec("snapkv", 128, 0, i), "kl": 0.5} for i in range(2)]
+    records += [rec("full", None, 1, 0)]
+    (iv,) = report.compare(records, ("laq", 128), ("snapkv", 128), metric="kl").values()
+    assert (iv.mean, iv.lo, iv.hi, iv.n, iv.p_not_better) == pytest.approx((-0.3, -0.4, -0.2, 2, 1.0))
+    md = report.compare_markdown(records, [("laq", "snapkv")], [128], metric="kl", digits=3)
+    assert "| m | 128 | laq - snapkv | -0.300 [-0.400, -0.200] ** | 2 | 1.000 |" in md

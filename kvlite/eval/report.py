@@ -110,20 +110,25 @@ def sample_key(r: dict) -> tuple:
 
 
 def compare(
-    records: list[dict], a: tuple[str, int | None], b: tuple[str, int | None], group=lambda r: r["model"]
+    records: list[dict],
+    a: tuple[str, int | None],
+    b: tuple[str, int | None],
+    group=lambda r: r["model"],
+    metric: str = "score",
 ) -> dict:
-    """Paired bootstrap of score(a) - score(b), cells given as (policy spec, budget), per group of
-    samples (default: per model, pooling tasks and lengths). Only samples both cells ran count."""
+    """Paired bootstrap of metric(a) - metric(b) (a record's field: "score", or "kl" against the full
+    cache), cells given as (policy spec, budget), per group of samples (default: per model, pooling
+    tasks and lengths). Only samples where both cells have the metric count."""
     by: dict = defaultdict(dict)
     for r in records:
-        if "score" in r and (r["policy"], r["budget"]) in (a, b):
+        if r.get(metric) is not None and (r["policy"], r["budget"]) in (a, b):
             by[(r["policy"], r["budget"])][sample_key(r)] = r
     out: dict = {}
     groups: dict = defaultdict(list)
     for k in sorted(set(by[a]) & set(by[b])):
         groups[group(by[a][k])].append(k)
     for g, keys in groups.items():
-        out[g] = stats.paired_difference([by[a][k]["score"] for k in keys], [by[b][k]["score"] for k in keys])
+        out[g] = stats.paired_difference([by[a][k][metric] for k in keys], [by[b][k][metric] for k in keys])
     return out
 
 
@@ -147,19 +152,25 @@ def mode_difference(records: list[dict], budgets: tuple = (128, 256)) -> stats.I
 
 
 def compare_markdown(
-    records: list[dict], pairs: list[tuple[str, str]], budgets: list[int], group=None, label=str
+    records: list[dict],
+    pairs: list[tuple[str, str]],
+    budgets: list[int],
+    group=None,
+    label=str,
+    metric: str = "score",
+    digits: int = 2,
 ) -> str:
-    """One row per (group, budget, pair): the mean difference with its paired 95% interval (** when
-    it excludes 0), n, and the share of bootstrap resamples in which A is not ahead. label: how a
-    policy spec is shown."""
+    """One row per (group, budget, pair): the mean difference in `metric` with its paired 95% interval
+    (** when it excludes 0), n, and the share of bootstrap resamples whose difference is <= 0 (on a
+    score, A not ahead; on a loss such as "kl", A no worse). label: how a policy spec is shown."""
     group = group or (lambda r: r["model"])
     lines = ["| samples | budget | A - B | difference [95% CI] | n | P(A <= B) |", "|---|---|---|---|---|---|"]
     for budget in budgets:
         for a, b in pairs:
-            cells = compare(records, (a, budget), (b, None if b == "full" else budget), group)
+            cells = compare(records, (a, budget), (b, None if b == "full" else budget), group, metric)
             for g, iv in sorted(cells.items(), key=lambda kv: str(kv[0])):
                 mark = " **" if iv.excludes_zero() else ""
-                lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt()}{mark} | {iv.n} | "
+                lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt(digits)}{mark} | {iv.n} | "
                              f"{iv.p_not_better:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
