@@ -1022,17 +1022,17 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   values, and not with `q4_0` keys and f16 values.
 - **Long prompts** (issue 29; Qwen2.5-0.5B at 16K tokens, 36 test samples over single, multikey
   and twohop): at 1% and 2% of the prompt (163 and 327 cells) LAQ and EchoKV kept every answer the
-  full cache gave (0.86 [0.75, 0.97]; each - full 0.00 [0.00, 0.00] at both budgets). The
-  others did not: SnapKV 0.03 [0.00, 0.08] and 0.39 [0.22,
-  0.56] (EchoKV - SnapKV +0.83 [0.69, 0.94] and +0.47 [0.31, 0.64]), StreamingLLM 0.00 and 0.03,
-  KVzip 0.00 (92% of its kept cells in the prompt's last tenth), and EchoKV and LAQ in chunked mode
-  0.00: reading with a cache of the budget's size, they evict before the question arrives. On the
-  answers the two lookahead policies tie; on the full cache's next-token distributions LAQ stayed
-  closer at 1% (KL 0.038 against 0.108 nats; EchoKV - LAQ +0.070 [0.002, 0.175], most of it two
-  multikey samples that both still answered) and about level at 2% (0.024 against 0.026). EchoKV's
-  default at these lengths (6 proposals from 16,000 cells, chosen on the tune split) held: all 24
-  scored the same on every sample (0.00 [0.00, 0.00]) and were 0.001 nats closer. 32K: not
-  concluded (the stage resumes across sessions).
+  full cache gave (0.86 [0.75, 0.97]; each - full 0.00 [0.00, 0.00] at both budgets). The others
+  did not: SnapKV 0.03 [0.00, 0.08] and 0.39 [0.22, 0.56] (EchoKV - SnapKV +0.83 [0.69, 0.94] and
+  +0.47 [0.31, 0.64]), StreamingLLM 0.00 and 0.03, KVzip 0.00 (92% of its kept cells in the
+  prompt's last tenth), and EchoKV and LAQ in chunked mode 0.00: reading with a cache of the
+  budget's size, they evict before the question arrives. On the answers the two lookahead policies
+  tie; on the full cache's next-token distributions LAQ stayed closer at 1% (KL 0.038 against
+  0.108 nats; EchoKV - LAQ +0.070 [0.002, 0.175], most of it two multikey samples that both still
+  answered) and about level at 2% (0.024 against 0.026). EchoKV's default at these lengths (6
+  proposals from 16,000 cells, chosen on the tune split) held: all 24 scored the same on every
+  sample (0.00 [0.00, 0.00]) and were 0.001 nats closer. 32K: not concluded (the stage resumes
+  across sessions).
 - **Small budgets** (issue 25): at 64 cells EchoKV as shipped (its smoothing of 7 under 128 cells,
   chosen on Qwen's tune split) is level with LAQ on both models (after - LAQ: 0.00 on Qwen at 2K
   and 4K, 0.00 [-0.04, 0.04] and +0.03 [-0.04, 0.11] on SmolLM2). Before that rule, EchoKV trailed
