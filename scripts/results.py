@@ -761,7 +761,9 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         f"(`{echokv_spec()}` and `{laq_spec(echokv_spec())}`).\n",
         pooled_table(test) if test else "(not run yet)\n",
         "### The differences the claims rest on (paired by sample)\n",
-        "`**`: the 95% interval excludes 0. P(A <= B): the share of bootstrap resamples in which A is not ahead.\n",
+        "`**`: the 95% interval excludes 0. P(A <= B): the share of bootstrap resamples in which A is not ahead. "
+        f"From fewer than {stats.MIN_PAIRED} paired samples a difference has no interval and no mark (no "
+        "distribution-free paired test reaches 5% there), in every table below.\n",
         claims_table(test) if test else "(not run yet)",
         "\n### Fidelity to the full cache (test split)\n",
         fidelity_table(test) if test else "(not run yet)",

@@ -34,6 +34,15 @@ def test_interval_of_a_mean_and_a_sure_difference():
     assert sure.fmt() == "1.00 [1.00, 1.00]"
 
 
+def test_too_few_pairs_get_no_interval():
+    # Five pairs all one way: a sign test's two-sided p is 2 x 0.5^5 = 0.0625, so nothing can be
+    # claimed, though the bootstrap's interval is the point 1 (every resample's mean is 1).
+    few = stats.paired_difference([1] * 5, [0] * 5)
+    assert (few.lo, few.hi, few.n) == (1.0, 1.0, 5) and not few.excludes_zero()
+    assert few.fmt() == "1.00 (n < 6: no interval)"
+    assert stats.bootstrap_mean([1.0]).fmt() == "1.00 [1.00, 1.00]"  # a plain mean keeps its interval
+
+
 def test_bad_input():
     with pytest.raises(KvliteError, match="same samples"):
         stats.paired_difference([1, 0], [1])
@@ -52,16 +61,18 @@ def test_compare_pairs_by_sample_and_skips_unpaired():
     (iv,) = report.compare(records, ("laq", 128), ("snapkv", 128)).values()
     assert (iv.mean, iv.lo, iv.hi, iv.n) == (0.25, 0.0, 0.75, 4)
     md = report.compare_markdown(records, [("laq", "snapkv")], [128])
-    assert "| m | 128 | laq - snapkv | 0.25 [0.00, 0.75] | 4 |" in md
+    assert "| m | 128 | laq - snapkv | 0.25 (n < 6: no interval) | 4 | - |" in md
 
 
 def test_compare_another_metric():
-    # KL against the full cache, per sample: laq (0.1, 0.3), snapkv (0.5, 0.5); differences -0.4 and
-    # -0.2, so every resample's mean lies in [-0.4, -0.2]. The full cache's record has no KL: skipped.
-    records = [{**rec("laq", 128, 1, i), "kl": kl} for i, kl in enumerate([0.1, 0.3])]
-    records += [{**rec("snapkv", 128, 0, i), "kl": 0.5} for i in range(2)]
+    # KL against the full cache, per sample: laq 0.1 and 0.3 three times each, snapkv 0.5; differences
+    # -0.4 and -0.2. A resample of 6 holds K ~ Binomial(6, 1/2) of the -0.4s, mean -0.2 - K/30:
+    # P(K = 6) = 1/64 = 0.016 and P(K >= 5) = 7/64 = 0.109 put the 2.5% quantile at K = 5 (-0.367),
+    # and by symmetry the 97.5% at K = 1 (-0.233). The full cache's record has no KL: skipped.
+    records = [{**rec("laq", 128, 1, i), "kl": (0.1, 0.3)[i % 2]} for i in range(6)]
+    records += [{**rec("snapkv", 128, 0, i), "kl": 0.5} for i in range(6)]
     records += [rec("full", None, 1, 0)]
     (iv,) = report.compare(records, ("laq", 128), ("snapkv", 128), metric="kl").values()
-    assert (iv.mean, iv.lo, iv.hi, iv.n, iv.p_not_better) == pytest.approx((-0.3, -0.4, -0.2, 2, 1.0))
+    assert (iv.mean, iv.lo, iv.hi, iv.n, iv.p_not_better) == pytest.approx((-0.3, -0.2 - 5 / 30, -0.2 - 1 / 30, 6, 1))
     md = report.compare_markdown(records, [("laq", "snapkv")], [128], metric="kl", digits=3)
-    assert "| m | 128 | laq - snapkv | -0.300 [-0.400, -0.200] ** | 2 | 1.000 |" in md
+    assert "| m | 128 | laq - snapkv | -0.300 [-0.367, -0.233] ** | 6 | 1.000 |" in md

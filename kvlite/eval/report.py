@@ -162,7 +162,8 @@ def compare_markdown(
 ) -> str:
     """One row per (group, budget, pair): the mean difference in `metric` with its paired 95% interval
     (** when it excludes 0), n, and the share of bootstrap resamples whose difference is <= 0 (on a
-    score, A not ahead; on a loss such as "kl", A no worse). label: how a policy spec is shown."""
+    score, A not ahead; on a loss such as "kl", A no worse); neither from fewer than
+    stats.MIN_PAIRED samples. label: how a policy spec is shown."""
     group = group or (lambda r: r["model"])
     lines = ["| samples | budget | A - B | difference [95% CI] | n | P(A <= B) |", "|---|---|---|---|---|---|"]
     for budget in budgets:
@@ -170,8 +171,9 @@ def compare_markdown(
             cells = compare(records, (a, budget), (b, None if b == "full" else budget), group, metric)
             for g, iv in sorted(cells.items(), key=lambda kv: str(kv[0])):
                 mark = " **" if iv.excludes_zero() else ""
+                share = "-" if iv.too_few() else f"{iv.p_not_better:.3f}"
                 lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt(digits)}{mark} | {iv.n} | "
-                             f"{iv.p_not_better:.3f} |")  # fmt: skip
+                             f"{share} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -17,6 +17,10 @@ from ..errors import KvliteError
 
 N_BOOT = 10_000
 LEVEL = 0.95
+# A paired difference from fewer samples gets no interval and is never marked: no distribution-free
+# paired test (sign, signed-rank) reaches 5% two-sided below 6 pairs (all 5 one way: 2 x 0.5^5 =
+# 0.0625), while the percentile bootstrap still gives one, a point where the pairs agree.
+MIN_PAIRED = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +33,16 @@ class Interval:
     # (a one-sided bootstrap p-value; None for a plain mean).
     p_not_better: float | None = None
 
+    def too_few(self) -> bool:
+        """A paired difference from fewer than MIN_PAIRED samples."""
+        return self.p_not_better is not None and self.n < MIN_PAIRED
+
     def excludes_zero(self) -> bool:
-        return self.lo > 0 or self.hi < 0
+        return not self.too_few() and (self.lo > 0 or self.hi < 0)
 
     def fmt(self, digits: int = 2) -> str:
+        if self.too_few():
+            return f"{self.mean:.{digits}f} (n < {MIN_PAIRED}: no interval)"
         return f"{self.mean:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
 
 
