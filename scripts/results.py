@@ -378,7 +378,7 @@ def tune_section(out: pathlib.Path) -> str:
               "| pick - baseline | difference [95% CI] | n | P(pick <= baseline) |", "|---|---|---|---|"]  # fmt: skip
     for b, iv in pick["versus"].items():
         iv = stats.Interval(**iv)
-        lines.append(f"| {b} | {iv.fmt()} | {iv.n} | {iv.p_not_better:.3f} |")
+        lines.append(f"| {b} | {iv.fmt()} | {iv.n} | {iv.fmt_share()} |")
     full = [r["score"] for r in records if r["policy"] == "full"]
     lines += ["", f"The full cache scores {np.mean(full):.2f} on these samples (n = {len(full)}). An evicted "
               "cache can score above it: at 4K SmolLM2 misses some single needles in the whole prompt that it finds "

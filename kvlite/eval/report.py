@@ -171,9 +171,8 @@ def compare_markdown(
             cells = compare(records, (a, budget), (b, None if b == "full" else budget), group, metric)
             for g, iv in sorted(cells.items(), key=lambda kv: str(kv[0])):
                 mark = " **" if iv.excludes_zero() else ""
-                share = "-" if iv.too_few() else f"{iv.p_not_better:.3f}"
                 lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt(digits)}{mark} | {iv.n} | "
-                             f"{share} |")  # fmt: skip
+                             f"{iv.fmt_share()} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -45,6 +45,10 @@ class Interval:
             return f"{self.mean:.{digits}f} (n < {MIN_PAIRED}: no interval)"
         return f"{self.mean:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
 
+    def fmt_share(self) -> str:
+        """p_not_better as a table shows it: "-" where fmt gives no interval."""
+        return "-" if self.too_few() else f"{self.p_not_better:.3f}"
+
 
 def _resampled_means(values: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
