@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 from conftest import run_cli
+
+from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
 
 
 def assert_one_line_error(proc, needle: str) -> None:
@@ -268,3 +271,17 @@ def test_a_budget_under_the_measured_floor_gets_a_note(tiny_paths):
     assert enough.returncode == 0 and "note: below" not in enough.stderr
     chunked = run_cli(*args, "--policy", "streaming", "--cache", "16")  # a fixed memory, not an answer
     assert chunked.returncode == 0 and "note: below" not in chunked.stderr
+
+
+def test_a_note_once_positions_pass_the_trained_length(tmp_path):
+    """The note counts positions decoded, not cells: a context roomier than the trained length says
+    nothing while the prompt stays within it; a chunked cache of 100 cells on a 600-token prompt
+    passes it, and says so once."""
+    path = str(write_tiny_gguf(tmp_path / "short.gguf", TinySpec(n_ctx_train=256)))
+    within = run_cli("generate", "-m", path, "-p", "abcdefghij" * 5, "-n", "2", "-c", "1024")
+    assert within.returncode == 0 and "trained on" not in within.stderr, within.stderr
+    past = run_cli("generate", "-m", path, "-p", "abcdefghij" * 60, "-n", "2", "--policy", "streaming",
+                   "--cache", "100", "--chunk", "64")  # fmt: skip
+    assert past.returncode == 0, past.stderr
+    notes = re.findall(r"note: position \d+ is beyond the 256 positions short.gguf was trained on", past.stderr)
+    assert len(notes) == 1, past.stderr

@@ -37,7 +37,7 @@ def lane_seqs(lane: int) -> tuple[int, int]:
     return 2 * lane, 2 * lane + 1
 
 
-_NOTED: set[tuple[str, int]] = set()
+_NOTED: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -53,8 +53,7 @@ def _temp_path():
 
 def _check_room(model: Model, n_ctx: int, layer_cell_bytes: int, swa_full: bool, type_k: str, type_v: str) -> None:
     """Refuse, before llama.cpp allocates, a KV cache larger than the memory free where it would
-    live (the machine's, or the GPU's when layers are offloaded), naming both figures; note once a
-    context beyond the model's trained length (llama.cpp runs it; the model never learned it)."""
+    live (the machine's, or the GPU's when layers are offloaded), naming both figures."""
     info = model.info
     sliding = len(info.swa_layers) * (n_ctx if swa_full else min(n_ctx, info.n_swa + 512))
     need = (len(info.full_layers) * n_ctx + sliding) * layer_cell_bytes
@@ -63,11 +62,18 @@ def _check_room(model: Model, n_ctx: int, layer_cell_bytes: int, swa_full: bool,
         raise KvliteError(f"a {n_ctx}-cell context needs {need >> 20} MiB of KV cache (-ctk {type_k} -ctv "
                           f"{type_v}); {where} has {free >> 20} MiB free: lower -c or the prompt, evict in chunked "
                           "mode (--mode chunked: budget + chunk cells) or quantize it (-ctk/-ctv q8_0)")  # fmt: skip
-    if info.n_ctx_train and n_ctx > info.n_ctx_train and (info.path, n_ctx) not in _NOTED:
-        _NOTED.add((info.path, n_ctx))
-        print(f"kvlite: note: a context of {n_ctx} cells is beyond the {info.n_ctx_train} positions "
-              f"{pathlib.Path(info.path).name} was trained on: llama.cpp runs it, but quality past them is not "
-              "the model's", file=sys.stderr)  # fmt: skip
+
+
+def _note_untrained(model: Model, last: int) -> None:
+    """Note once per model a decode at a position past its trained length (llama.cpp runs it; the
+    model never learned it). Positions, not cells: a context sized with room to spare stays within
+    them, and a chunked cache of few cells passes them on a long prompt."""
+    n = model.info.n_ctx_train
+    if n and last >= n and model.info.path not in _NOTED:
+        _NOTED.add(model.info.path)
+        name = pathlib.Path(model.info.path).name
+        print(f"kvlite: note: position {last} is beyond the {n} positions {name} was trained on: llama.cpp "
+              "runs it, but quality past them is not the model's", file=sys.stderr)  # fmt: skip
 
 
 def _free_memory(model: Model) -> tuple[str, int | None]:
@@ -197,6 +203,8 @@ class Context:
             raise ValueError("tokens and positions differ in length")
         if logits == "all" and n > self.n_batch:
             raise ValueError(f"logits for all of {n} tokens need n_batch >= {n}")
+        if n:
+            _note_untrained(self.model, max(positions))
         for start in range(0, n, self.n_batch):
             end = min(start + self.n_batch, n)
             mode = logits if end == n else "none"
