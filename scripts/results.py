@@ -409,7 +409,7 @@ def protect_table(records: list[dict]) -> str:
     for p in PROTECT:
         for b in BUDGETS:
             for _, iv in report.compare(records, (with_question(p), b), (p, b), lambda r: "all").items():
-                lines.append(f"| {p} | {b} | {iv.fmt()}{' **' if iv.excludes_zero() else ''} | {iv.n} |")
+                lines.append(f"| {p} | {b} | {iv.fmt_marked()} | {iv.n} |")
     return "\n".join(lines)
 
 
@@ -472,7 +472,7 @@ def chat_claims(records: list[dict]) -> str:
         except KvliteError:  # a stage still under way
             lines.append(f"| {g} | (not run in both modes yet) | |")
             continue
-        lines.append(f"| {g} | {iv.fmt()}{' **' if iv.excludes_zero() else ''} | {iv.n} |")
+        lines.append(f"| {g} | {iv.fmt_marked()} | {iv.n} |")
     eager, lazy = ({p: f"{p}(evict={m})" for p in CHAT} for m in ("eager", "lazy"))
     pairs = [(eager["hybrid"], eager["echokv"]), (eager["kvzip"], eager["echokv"]), (eager["hybrid"], eager["kvzip"]),
              (lazy["laq"], lazy["echokv"]), (lazy["laq"], lazy["snapkv"]), (lazy["laq"], eager["laq"]),
@@ -628,7 +628,7 @@ def kv_type_section(records: list[dict]) -> str:
                 q = cells.get((policy, budget, kv), {})
                 keys = sorted(set(base) & set(q))
                 iv = stats.paired_difference([q[k] for k in keys], [base[k] for k in keys]) if keys else None
-                row.append(f"{iv.fmt()}{' **' if iv.excludes_zero() else ''} (n={iv.n})" if iv else "")
+                row.append(f"{iv.fmt_marked()} (n={iv.n})" if iv else "")
             out.append("| " + " | ".join(row) + " |")
         out.append("")
     return "\n".join(out)
@@ -1087,4 +1087,9 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
 """
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KvliteError as e:  # a missing model or native library: say what to do, not a traceback
+        sys.exit(f"results.py: {e}")
+    except KeyboardInterrupt:
+        sys.exit("results.py: interrupted; the records written so far are kept, and a rerun resumes")

@@ -344,6 +344,24 @@ def test_a_conversation_from_shared_work_equals_one_that_does_it_all(tiny_model,
     assert len(memo) == 2  # the scores, and what computing them cost
 
 
+def test_records_keep_their_order_when_the_new_lines_are_gzipped(tmp_path):
+    """A resumed stage appends to samples.jsonl beside its samples.jsonl.gz; joined into the .gz
+    (old lines, then new), the records read back in the same order, a later line's value winning."""
+    import gzip
+
+    recs = [{"model": "m", "task": "t", "sample": 0, "policy": p, "budget": 8, "score": 0} for p in "abcd"]
+    lines = [json.dumps(r) + "\n" for r in recs]
+    newer = json.dumps({**recs[1], "score": 1}) + "\n"  # b again, rewritten by the resumed run
+    (tmp_path / "samples.jsonl.gz").write_bytes(gzip.compress("".join(lines[:2]).encode()))
+    (tmp_path / "samples.jsonl").write_text("".join(lines[2:]) + newer)
+    split = read_records(tmp_path)
+    (tmp_path / "samples.jsonl").unlink()
+    (tmp_path / "samples.jsonl.gz").write_bytes(gzip.compress("".join(lines + [newer]).encode()))
+    joined = read_records(tmp_path)
+    assert [r["policy"] for r in split] == [r["policy"] for r in joined] == list("abcd")
+    assert split == joined and split[1]["score"] == 1
+
+
 def test_gzipped_records_are_read_and_not_redone(tiny_paths, tmp_path, uninterrupted):
     """A finished stage may keep its records gzipped (results-runs/): they count as done."""
     import gzip

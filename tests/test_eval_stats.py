@@ -31,7 +31,7 @@ def test_interval_of_a_mean_and_a_sure_difference():
     assert (iv.mean, iv.lo, iv.hi) == (0.5, 0.0, 1.0)
     sure = stats.paired_difference([1] * 6, [0] * 6)
     assert (sure.lo, sure.hi, sure.p_not_better) == (1.0, 1.0, 0.0) and sure.excludes_zero()
-    assert sure.fmt() == "1.00 [1.00, 1.00]"
+    assert sure.fmt() == "1.00 [1.00, 1.00]" and sure.fmt_marked() == "1.00 [1.00, 1.00] **"
 
 
 def test_too_few_pairs_get_no_interval():
@@ -39,7 +39,7 @@ def test_too_few_pairs_get_no_interval():
     # claimed, though the bootstrap's interval is the point 1 (every resample's mean is 1).
     few = stats.paired_difference([1] * 5, [0] * 5)
     assert (few.lo, few.hi, few.n) == (1.0, 1.0, 5) and not few.excludes_zero()
-    assert few.fmt() == "1.00 (n < 6: no interval)"
+    assert few.fmt() == few.fmt_marked() == "1.00 (n < 6: no interval)"
     assert stats.bootstrap_mean([1.0]).fmt() == "1.00 [1.00, 1.00]"  # a plain mean keeps its interval
 
 

@@ -44,3 +44,19 @@ def test_serve_bench_shows_llama_server_beside_either_eviction_mode(tmp_path):
     table = proc.stdout.splitlines()[1:]
     assert [line.split()[:3] for line in table] == [["llama-server-full", "1", "1.00"], ["kvlite-laq", "1", "3.00"]]
     assert (tmp_path / "serve_vs_llama_server.png").stat().st_size > 0
+
+
+def test_results_script_says_in_one_line_that_the_native_library_is_missing(tmp_path):
+    """scripts/results.py runs the kvlite beside it: a tree without its native library built is a
+    one-line error that says how to build it, not a traceback, and no record or page is written."""
+    import shutil
+    import sys
+
+    shutil.copytree(ROOT / "kvlite", tmp_path / "kvlite", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "results.py", tmp_path / "scripts")
+    proc = subprocess.run([sys.executable, str(tmp_path / "scripts" / "results.py"), "--quick", "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "native library" in proc.stderr
+    assert not list((tmp_path / "out").rglob("*.jsonl")) and not list((tmp_path / "out").rglob("*.md"))

@@ -29,8 +29,10 @@ def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dic
     other lines that are not records are skipped and named on stderr, so that a resume or a
     summary never stops on them and never counts them."""
     records: dict[tuple, dict] = {}
-    # A finished stage's records may be stored gzipped (results-runs/ keeps large files small).
-    for path in sorted(out.glob(pattern)) + sorted(out.glob(pattern + ".gz")):
+    # A stage's records may be stored gzipped (results-runs/ keeps large files small), and a run
+    # resumed from them appends to the plain file: read the .gz first, so records keep one order
+    # (tables list policies as first met) whether or not the new lines were gzipped since.
+    for path in sorted(out.glob(pattern + ".gz")) + sorted(out.glob(pattern)):
         data = path.read_bytes()
         text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode(errors="replace")
         lines = text.splitlines()

@@ -170,8 +170,7 @@ def compare_markdown(
         for a, b in pairs:
             cells = compare(records, (a, budget), (b, None if b == "full" else budget), group, metric)
             for g, iv in sorted(cells.items(), key=lambda kv: str(kv[0])):
-                mark = " **" if iv.excludes_zero() else ""
-                lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt(digits)}{mark} | {iv.n} | "
+                lines.append(f"| {g} | {budget} | {label(a)} - {label(b)} | {iv.fmt_marked(digits)} | {iv.n} | "
                              f"{iv.fmt_share()} |")  # fmt: skip
     return "\n".join(lines)
 

@@ -45,6 +45,10 @@ class Interval:
             return f"{self.mean:.{digits}f} (n < {MIN_PAIRED}: no interval)"
         return f"{self.mean:.{digits}f} [{self.lo:.{digits}f}, {self.hi:.{digits}f}]"
 
+    def fmt_marked(self, digits: int = 2) -> str:
+        """fmt, with " **" where the interval excludes 0 (the tables' mark for a difference)."""
+        return self.fmt(digits) + (" **" if self.excludes_zero() else "")
+
     def fmt_share(self) -> str:
         """p_not_better as a table shows it: "-" where fmt gives no interval."""
         return "-" if self.too_few() else f"{self.p_not_better:.3f}"
