@@ -120,6 +120,34 @@ def test_resumed_grid_equals_uninterrupted(tiny_paths, tmp_path, uninterrupted):
     assert rows_without_time(tmp_path) == rows_without_time(uninterrupted)
 
 
+def test_a_resume_left_with_chunked_cells_reads_no_prompt_for_the_reference(tiny_paths, tmp_path, monkeypatch):
+    """Stopped after a sample's full-cache cell, the grid kept that cell's reference on disk: the
+    resume runs the chunked cells against it without reading the prompt's prefix again, its records
+    equal an uninterrupted run's, and the reference is removed once the sample is done."""
+    from kvlite.eval import evaluate
+
+    policies = ["full", "streaming(mode=chunked,h=16)", "laq(mode=chunked,h=16)"]
+    cfg = lambda out: grid_cfg(tiny_paths, out, n=1, policies=policies, budgets=[48])  # noqa: E731
+    Grid(cfg(tmp_path / "a")).run()
+    assert not (tmp_path / "a" / "references").exists()
+
+    def stop(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Grid(cfg(tmp_path / "b")).run(progress=stop)  # after the full cell's record
+    assert [r["policy"] for r in read_records(tmp_path / "b")] == ["full"]
+    assert len(list((tmp_path / "b" / "references").glob("*.npz"))) == 1
+    reads = []
+    real = evaluate.read_prefix
+    monkeypatch.setattr(evaluate, "read_prefix", lambda *a, **k: reads.append(1) or real(*a, **k))
+    Grid(cfg(tmp_path / "b")).run()
+    assert reads == []  # neither the reference nor a chunked cell needed the prefix
+    assert rows_without_time(tmp_path / "b") == rows_without_time(tmp_path / "a")
+    assert all("kl" in r for r in read_records(tmp_path / "b"))
+    assert not (tmp_path / "b" / "references").exists()
+
+
 def test_a_grid_stopped_early_has_every_task(tiny_paths, tmp_path):
     """Samples run by index across tasks (single 0, multikey 0, single 1, ...), so a long stage
     carried over sessions reports every task, not the first one's samples alone."""
@@ -239,7 +267,7 @@ def test_restored_cache_agrees_with_llama_state(tiny_model, prompt):
     runner = run.runner(SnapKV(budget=40))
     try:
         for _ in range(2):  # a second restore replaces the first one's evicted cache entirely
-            runner.restore(run.snapshot)
+            runner.restore(run.prefix())
             assert runner.cache.n_pos == len(prompt.tokens) - 32
             assert np.array_equal(runner.cache.positions(), runner.cache.llama_positions(0))
             runner.feed(prompt.tokens[-32:])

@@ -10,7 +10,10 @@ chunked-mode cells read the whole prompt themselves."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 import time
+import zipfile
 
 import numpy as np
 
@@ -103,6 +106,22 @@ class Reference:
     tokens: list[int]
     logits: np.ndarray  # [len(tokens) - 1, n_vocab]: after each continuation token but the last
 
+    def save(self, path: pathlib.Path) -> None:
+        """Whole or not at all: a kill mid-write leaves no file for a resume to half-read."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(".part.npz")
+        np.savez(part, tokens=np.asarray(self.tokens, dtype=np.int64), logits=self.logits)
+        os.replace(part, path)
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> Reference | None:
+        """A saved reference, or None where there is none that reads whole."""
+        try:
+            with np.load(path) as z:
+                return cls([int(t) for t in z["tokens"]], z["logits"])
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile):
+            return None
+
 
 def read_prefix(model: Model, tokens: list[int], n_ctx: int, n_threads: int | None = None,
                 kv_type: str = "f16") -> Snapshot | None:  # fmt: skip
@@ -138,9 +157,19 @@ class SampleRun:
         self.n_ctx = n + prompt.max_new_tokens + extra_ctx + 8
         self.reference: Reference | None = None
         self.scores: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # by spec and scoring key (ScoreMemo)
-        t0 = time.perf_counter()
-        self.snapshot = read_prefix(model, prompt.tokens[: n - self.tail], self.n_ctx, n_threads, kv_type)
-        self.prefix_s = time.perf_counter() - t0
+        self.prefix_s: float | None = None  # None until the prefix is read
+        self._snapshot: Snapshot | None = None
+
+    def prefix(self) -> Snapshot | None:
+        """The prompt but its tail, read on first use: chunked cells read the whole prompt
+        themselves, so a resumed sample left with those alone (its reference saved) never reads it."""
+        if self.prefix_s is None:
+            t0 = time.perf_counter()
+            n = len(self.prompt.tokens)
+            self._snapshot = read_prefix(self.model, self.prompt.tokens[: n - self.tail], self.n_ctx, self.n_threads,
+                                         self.kv_type)  # fmt: skip
+            self.prefix_s = time.perf_counter() - t0
+        return self._snapshot
 
     def runner(self, policy: Policy, chunk: int = DEFAULT_CHUNK) -> Runner:
         settings = RunSettings(n_ctx=self.n_ctx, chunk=chunk, sampling=SamplingParams(temp=0.0),
@@ -149,10 +178,11 @@ class SampleRun:
 
     def _read_prompt(self, runner: Runner) -> None:
         tokens = self.prompt.tokens
-        if runner.policy.continuous or self.snapshot is None:
+        snapshot = None if runner.policy.continuous else self.prefix()
+        if snapshot is None:
             runner.feed(tokens)
         else:
-            runner.restore(self.snapshot)
+            runner.restore(snapshot)
             runner.feed(tokens[-self.tail :])
 
     def cell(

@@ -6,7 +6,9 @@ itself. Shards take every n-th sample and write their own file; the summary read
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import pathlib
 import re
@@ -24,7 +26,7 @@ from ..evict import GRID_DEFAULT
 from ..limits import INT32_MAX, check_int, check_threads
 from ..models import resolve_model
 from . import longbench, multiturn, tasks
-from .evaluate import SampleRun, tokenize
+from .evaluate import Prompt, Reference, SampleRun, tokenize
 from .records import prepare_out, read_records, record_key, repair_tail
 from .specs import kv_type_of, model_label, parse_spec, policy_for, run_params
 
@@ -180,6 +182,20 @@ def shard_of(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def _reference_name(label: str, prompt: Prompt) -> str:
+    """A saved reference's file name: what the full cache's continuation depends on."""
+    key = json.dumps([label, prompt.sample.task, prompt.sample.id, prompt.tokens, prompt.max_new_tokens])
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _keep(reference: Reference | None, path: pathlib.Path) -> None:
+    """Save a sample's reference for a resume; a disk that cannot take it only costs that resume
+    the full cache's prefill again."""
+    with contextlib.suppress(OSError):
+        if reference is not None:
+            reference.save(path)
+
+
 def _message(e: Exception) -> str:
     """Our errors say what to do; anything else is named by its type."""
     return str(e) if isinstance(e, KvliteError) else f"{type(e).__name__}: {e}"
@@ -308,32 +324,41 @@ class Grid:
             prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
             run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=self.lookahead_cells,
                             kv_type=base["kv_type"])  # fmt: skip
+            saved = self.out / "references" / f"{_reference_name(label, prompt)}.npz"
+            rerun_full = bool(todo) and todo[0] != ("full", None)
+            if rerun_full and (stored := Reference.load(saved)) is not None:
+                run.reference, rerun_full = stored, False  # a resume left with chunked cells alone reads no prefix
+            if run.reference is None:
+                run.prefix()  # read now: a sample that cannot be read fails alone, not once per cell
         except Exception as e:  # noqa: BLE001 - a sample that cannot be read fails alone
             emit(("error", base, _message(e)))
             emit(("progress", len(todo)))
             return
-        if todo and todo[0] != ("full", None):
+        if rerun_full:
             todo.insert(0, ("full", None))  # the reference for fidelity, rerun after a resume
-            rerun_full = True
-        else:
-            rerun_full = False
         for i, (spec, budget) in enumerate(todo):
             where = {**base, "policy": spec, "budget": budget}
             try:
                 t0 = time.perf_counter()
                 policy = policy_for(spec, budget, prompt.question_tokens)
                 record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))
-                if i == 0:
+                if i == 0 and run.prefix_s is not None:
                     record["time"]["prefix_s"] = run.prefix_s
                 if budget is not None and budget >= len(prompt.tokens):
                     record["note"] = "budget >= prompt: nothing evicted"
                 record["time"]["cell_s"] = time.perf_counter() - t0
                 if not (rerun_full and i == 0):
                     emit(("record", {**where, **record, "evidence": prompt.evidence}))
+                if spec == "full" and len(todo) > 1:
+                    _keep(run.reference, saved)  # for the other cells, should this run stop before them
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))
             if not (rerun_full and i == 0):
                 emit(("progress", 1))
+        with contextlib.suppress(OSError):
+            saved.unlink(missing_ok=True)
+            saved.with_suffix(".part.npz").unlink(missing_ok=True)
+            saved.parent.rmdir()  # fails, harmlessly, while another shard's reference is there
         if want_diag:
             where = {**base, "policy": "diagnostics", "budget": cfg.diagnostics_budget}
             try:
