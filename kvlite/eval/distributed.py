@@ -28,7 +28,7 @@ def _unit(cfg: GridConfig, path: str, label: str, sample: tasks.Sample, done: se
     if key not in _MODELS:
         _MODELS[key] = Model(pathlib.Path(path), n_gpu_layers=cfg.n_gpu_layers)
     events: list = []
-    Grid(cfg, log=lambda msg: None).run_unit(_MODELS[key], label, sample, done, events.append)
+    Grid(cfg, log=lambda msg: None).run_unit(_MODELS[key], label, sample, done, events.append, keep_reference=False)
     return events, socket.gethostname()
 
 

@@ -308,9 +308,17 @@ class Grid:
         return todo, cfg.diagnostics and bool(sample.evidence) and diag_key not in done
 
     def run_unit(
-        self, model: Model, label: str, sample: tasks.Sample, done: set, emit: Callable[[tuple], None]
+        self,
+        model: Model,
+        label: str,
+        sample: tasks.Sample,
+        done: set,
+        emit: Callable[[tuple], None],
+        keep_reference: bool = True,
     ) -> None:
-        """One sample's unfinished cells, replayed from one prefill; what happens goes to emit."""
+        """One sample's unfinished cells, replayed from one prefill; what happens goes to emit.
+        keep_reference: save the full cache's reference under out/references while the other cells
+        run, for a resume (not on a Ray worker: its unit's records reach the driver at its end)."""
         cfg = self.cfg
         base = {"model": label, "task": sample.task, "sample": sample.id, "split": sample.split,
                 "kv_type": kv_type_of(label)}  # fmt: skip
@@ -324,9 +332,9 @@ class Grid:
             prompt = tokenize(model, sample, cfg.n_predict, cfg.max_length)
             run = SampleRun(model, prompt, self.tail, cfg.threads, extra_ctx=self.lookahead_cells,
                             kv_type=base["kv_type"])  # fmt: skip
-            saved = self.out / "references" / f"{_reference_name(label, prompt)}.npz"
+            saved = self.out / "references" / f"{_reference_name(label, prompt)}.npz" if keep_reference else None
             rerun_full = bool(todo) and todo[0] != ("full", None)
-            if rerun_full and (stored := Reference.load(saved)) is not None:
+            if rerun_full and saved and (stored := Reference.load(saved)) is not None:
                 run.reference, rerun_full = stored, False  # a resume left with chunked cells alone reads no prefix
             if run.reference is None:
                 run.prefix()  # read now: a sample that cannot be read fails alone, not once per cell
@@ -349,16 +357,17 @@ class Grid:
                 record["time"]["cell_s"] = time.perf_counter() - t0
                 if not (rerun_full and i == 0):
                     emit(("record", {**where, **record, "evidence": prompt.evidence}))
-                if spec == "full" and len(todo) > 1:
+                if spec == "full" and saved and len(todo) > 1:
                     _keep(run.reference, saved)  # for the other cells, should this run stop before them
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))
             if not (rerun_full and i == 0):
                 emit(("progress", 1))
-        with contextlib.suppress(OSError):
-            saved.unlink(missing_ok=True)
-            saved.with_suffix(".part.npz").unlink(missing_ok=True)
-            saved.parent.rmdir()  # fails, harmlessly, while another shard's reference is there
+        if saved:
+            with contextlib.suppress(OSError):
+                saved.unlink(missing_ok=True)
+                saved.with_suffix(".part.npz").unlink(missing_ok=True)
+                saved.parent.rmdir()  # fails, harmlessly, while another shard's reference is there
         if want_diag:
             where = {**base, "policy": "diagnostics", "budget": cfg.diagnostics_budget}
             try:
