@@ -107,11 +107,16 @@ class Reference:
     logits: np.ndarray  # [len(tokens) - 1, n_vocab]: after each continuation token but the last
 
     def save(self, path: pathlib.Path) -> None:
-        """Whole or not at all: a kill mid-write leaves no file for a resume to half-read."""
+        """Whole or not at all: a kill mid-write leaves no file for a resume to half-read, and a
+        failed write (a full disk) leaves nothing."""
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(".part.npz")
-        np.savez(part, tokens=np.asarray(self.tokens, dtype=np.int64), logits=self.logits)
-        os.replace(part, path)
+        try:
+            np.savez(part, tokens=np.asarray(self.tokens, dtype=np.int64), logits=self.logits)
+            os.replace(part, path)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: pathlib.Path) -> Reference | None:

@@ -366,7 +366,6 @@ class Grid:
         if saved:
             with contextlib.suppress(OSError):
                 saved.unlink(missing_ok=True)
-                saved.with_suffix(".part.npz").unlink(missing_ok=True)
                 saved.parent.rmdir()  # fails, harmlessly, while another shard's reference is there
         if want_diag:
             where = {**base, "policy": "diagnostics", "budget": cfg.diagnostics_budget}
