@@ -3,6 +3,7 @@ budgets equal fresh ones, a resumed grid and a shard-and-merge run equal an unin
 failing cell fails alone, and the diagnostics behave as their definitions say."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -146,6 +147,35 @@ def test_a_resume_left_with_chunked_cells_reads_no_prompt_for_the_reference(tiny
     assert rows_without_time(tmp_path / "b") == rows_without_time(tmp_path / "a")
     assert all("kl" in r for r in read_records(tmp_path / "b"))
     assert not (tmp_path / "b" / "references").exists()
+
+
+@pytest.mark.parametrize(
+    ("policies", "stop_after", "keep_reference"),
+    [(["full", "streaming", "snapkv"], 2, False),  # the resume reruns the full cell, unwritten
+     (["full", "laq(mode=chunked,h=16)", "snapkv"], 1, True)],  # the loaded reference reads no prefix first
+)  # fmt: skip
+def test_a_resume_charges_its_prompt_read_to_a_record(tiny_paths, tmp_path, policies, stop_after, keep_reference):
+    """A resume that reads the prompt again (for the full cache's rerun, or for a prefill-end cell
+    after a loaded reference) writes prefix_s on its first record after the read, once: the
+    end-to-end times and where the time went count it."""
+    cfg = grid_cfg(tiny_paths, tmp_path, n=1, policies=policies, budgets=[48])
+    calls = []
+
+    def stop(n):
+        calls.append(n)
+        if len(calls) == stop_after:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Grid(cfg).run(progress=stop)
+    if not keep_reference:
+        shutil.rmtree(tmp_path / "references")
+    before = len(read_records(tmp_path))
+    Grid(cfg).run()
+    resumed = read_records(tmp_path)[before:]
+    assert [r["policy"] for r in resumed] == policies[stop_after:]
+    charged = [r["policy"] for r in resumed if "prefix_s" in r["time"]]
+    assert charged == ["snapkv"] and resumed[-1]["time"]["prefix_s"] > 0
 
 
 def test_a_grid_stopped_early_has_every_task(tiny_paths, tmp_path):

@@ -344,24 +344,28 @@ class Grid:
             return
         if rerun_full:
             todo.insert(0, ("full", None))  # the reference for fidelity, rerun after a resume
+        prefix_told = False
         for i, (spec, budget) in enumerate(todo):
             where = {**base, "policy": spec, "budget": budget}
+            emitted = not (rerun_full and i == 0)  # a resume's rerun of the full cell is not written
             try:
                 t0 = time.perf_counter()
                 policy = policy_for(spec, budget, prompt.question_tokens)
                 record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))
-                if i == 0 and run.prefix_s is not None:
-                    record["time"]["prefix_s"] = run.prefix_s
+                if emitted and not prefix_told and run.prefix_s is not None:
+                    # on the first record written after the read (a loaded reference leaves the
+                    # read to a later cell), so every read of a prompt is charged once
+                    record["time"]["prefix_s"], prefix_told = run.prefix_s, True
                 if budget is not None and budget >= len(prompt.tokens):
                     record["note"] = "budget >= prompt: nothing evicted"
                 record["time"]["cell_s"] = time.perf_counter() - t0
-                if not (rerun_full and i == 0):
+                if emitted:
                     emit(("record", {**where, **record, "evidence": prompt.evidence}))
                 if spec == "full" and saved and len(todo) > 1:
                     _keep(run.reference, saved)  # for the other cells, should this run stop before them
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))
-            if not (rerun_full and i == 0):
+            if emitted:
                 emit(("progress", 1))
         if saved:
             with contextlib.suppress(OSError):
