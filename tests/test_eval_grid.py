@@ -34,6 +34,18 @@ def rows_without_time(out) -> list:
                    r["kept"], round(r.get("kl", 0), 9)) for r in read_records(out) if "score" in r)  # fmt: skip
 
 
+def stop_after(n: int):
+    """A progress callback that stops the grid (as Ctrl-C would) at its n-th call."""
+    calls = []
+
+    def progress(k: int) -> None:
+        calls.append(k)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+
+    return progress
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_paths, tmp_path_factory):
     out = tmp_path_factory.mktemp("grid-a")
@@ -106,15 +118,8 @@ def test_votes_scores_are_not_reused(tiny_model, prompt):
 
 
 def test_resumed_grid_equals_uninterrupted(tiny_paths, tmp_path, uninterrupted):
-    calls = []
-
-    def stop_after_five(n):
-        calls.append(n)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        Grid(grid_cfg(tiny_paths, tmp_path)).run(progress=stop_after_five)
+        Grid(grid_cfg(tiny_paths, tmp_path)).run(progress=stop_after(5))
     assert 0 < len(read_records(tmp_path)) < 21
     Grid(grid_cfg(tiny_paths, tmp_path)).run()
     assert sum(1 for _ in (tmp_path / "samples.jsonl").open()) == 21  # nothing finished was redone
@@ -132,11 +137,8 @@ def test_a_resume_left_with_chunked_cells_reads_no_prompt_for_the_reference(tiny
     Grid(cfg(tmp_path / "a")).run()
     assert not (tmp_path / "a" / "references").exists()
 
-    def stop(n):
-        raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        Grid(cfg(tmp_path / "b")).run(progress=stop)  # after the full cell's record
+        Grid(cfg(tmp_path / "b")).run(progress=stop_after(1))  # after the full cell's record
     assert [r["policy"] for r in read_records(tmp_path / "b")] == ["full"]
     assert len(list((tmp_path / "b" / "references").glob("*.npz"))) == 1
     reads = []
@@ -150,30 +152,23 @@ def test_a_resume_left_with_chunked_cells_reads_no_prompt_for_the_reference(tiny
 
 
 @pytest.mark.parametrize(
-    ("policies", "stop_after", "keep_reference"),
+    ("policies", "stopped", "keep_reference"),
     [(["full", "streaming", "snapkv"], 2, False),  # the resume reruns the full cell, unwritten
      (["full", "laq(mode=chunked,h=16)", "snapkv"], 1, True)],  # the loaded reference reads no prefix first
 )  # fmt: skip
-def test_a_resume_charges_its_prompt_read_to_a_record(tiny_paths, tmp_path, policies, stop_after, keep_reference):
+def test_a_resume_charges_its_prompt_read_to_a_record(tiny_paths, tmp_path, policies, stopped, keep_reference):
     """A resume that reads the prompt again (for the full cache's rerun, or for a prefill-end cell
     after a loaded reference) writes prefix_s on its first record after the read, once: the
     end-to-end times and where the time went count it."""
     cfg = grid_cfg(tiny_paths, tmp_path, n=1, policies=policies, budgets=[48])
-    calls = []
-
-    def stop(n):
-        calls.append(n)
-        if len(calls) == stop_after:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        Grid(cfg).run(progress=stop)
+        Grid(cfg).run(progress=stop_after(stopped))
     if not keep_reference:
         shutil.rmtree(tmp_path / "references")
     before = len(read_records(tmp_path))
     Grid(cfg).run()
     resumed = read_records(tmp_path)[before:]
-    assert [r["policy"] for r in resumed] == policies[stop_after:]
+    assert [r["policy"] for r in resumed] == policies[stopped:]
     charged = [r["policy"] for r in resumed if "prefix_s" in r["time"]]
     assert charged == ["snapkv"] and resumed[-1]["time"]["prefix_s"] > 0
 
@@ -181,16 +176,9 @@ def test_a_resume_charges_its_prompt_read_to_a_record(tiny_paths, tmp_path, poli
 def test_a_grid_stopped_early_has_every_task(tiny_paths, tmp_path):
     """Samples run by index across tasks (single 0, multikey 0, single 1, ...), so a long stage
     carried over sessions reports every task, not the first one's samples alone."""
-    calls = []
-
-    def stop_after_three(n):
-        calls.append(n)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-
     cfg = grid_cfg(tiny_paths, tmp_path, tasks=["single", "multikey"], policies=["full"])
     with pytest.raises(KeyboardInterrupt):
-        Grid(cfg).run(progress=stop_after_three)
+        Grid(cfg).run(progress=stop_after(3))
     done = [(r["task"].partition("/")[0], r["sample"]) for r in read_records(tmp_path)]
     assert done == [("single", 0), ("multikey", 0), ("single", 1)]
 

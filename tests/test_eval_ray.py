@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import run_cli
-from test_eval_grid import grid_cfg, rows_without_time, uninterrupted  # noqa: F401 - a fixture
+from test_eval_grid import grid_cfg, rows_without_time, stop_after, uninterrupted  # noqa: F401 - a fixture
 
 from kvlite.eval import distributed
 from kvlite.eval.grid import Grid
@@ -25,17 +25,6 @@ CELLS = 21  # grid_cfg: 3 samples x (full + 3 policies x 2 budgets)
 
 def lines(out) -> int:
     return sum(1 for _ in (out / "samples.jsonl").open())
-
-
-def stop_after(n: int):
-    calls = []
-
-    def progress(k: int) -> None:
-        calls.append(k)
-        if len(calls) == n:
-            raise KeyboardInterrupt
-
-    return progress
 
 
 def test_ray_records_equal_a_local_run(tiny_paths, tmp_path, uninterrupted):  # noqa: F811
