@@ -11,7 +11,16 @@ from . import __version__
 from .errors import KvliteError
 from .evict import CHAT_CTX, MODES
 from .limits import DEFAULT_CHUNK
-from .process import CLOSED, EXIT_INTERRUPTED, drop_stdout, guard_streams, needs_stdout, return_freed_memory, unraisable
+from .process import (
+    CLOSED,
+    EXIT_INTERRUPTED,
+    drop_stdout,
+    guard_streams,
+    import_numpy_uninterrupted,
+    needs_stdout,
+    return_freed_memory,
+    unraisable,
+)
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 EVICT_HELP = (
@@ -368,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = unraisable
     guard_streams()
     try:
+        import_numpy_uninterrupted()
         return_freed_memory()
         return _main(argv)
     except KeyboardInterrupt:

@@ -59,6 +59,23 @@ def unraisable(info) -> None:
     sys.__unraisablehook__(info)
 
 
+def import_numpy_uninterrupted() -> None:
+    """Import numpy with Ctrl-C held until it is done. Its C initialisation imports `datetime`
+    through the C API, which turns a KeyboardInterrupt raised there into an ImportError (a
+    traceback instead of one line). A Ctrl-C that arrives meanwhile is raised as
+    KeyboardInterrupt as soon as the import ends."""
+    import signal
+
+    hold = hasattr(signal, "pthread_sigmask")  # not on Windows
+    if hold:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import numpy  # noqa: F401
+    finally:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def drop_stdout() -> None:
     """Point stdout at /dev/null so that the interpreter's final flush cannot fail again."""
     with contextlib.suppress(OSError, ValueError):

@@ -396,6 +396,30 @@ def test_ctrl_c_in_a_callback_python_cannot_raise_from_ends_the_run():
     assert "Traceback" not in proc.stderr and proc.stderr.strip() == "kvlite: interrupted", proc.stderr
 
 
+def test_ctrl_c_inside_numpys_c_initialisation_is_one_line():
+    # Where a Ctrl-C once landed in CI: numpy's C code imports `datetime` through the C API, which
+    # turned the KeyboardInterrupt into an ImportError and a traceback. The signal is sent from the
+    # import of `datetime` itself, so the moment is exact on any machine.
+    code = """if True:
+        import os, signal, sys
+        from kvlite import cli
+
+        class Finder:
+            def find_spec(self, name, path=None, target=None):
+                if name == "datetime":
+                    sys.meta_path.remove(self)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+
+        assert "numpy" not in sys.modules and "datetime" not in sys.modules
+        sys.meta_path.insert(0, Finder())
+        sys.exit(cli.main(["--help"]))  # the parser imports the policies, and they numpy
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in proc.stderr and proc.stderr.strip() == "kvlite: interrupted", proc.stderr
+    assert (proc.returncode, proc.stdout) == (130, ""), proc
+
+
 def test_prompt_longer_than_context_hint_works(tiny_paths):
     """The suggested command fits the context it was suggested for."""
     proc = kvlite("generate", "-m", tiny_paths["llama"], "-p", "x" * 700, "-c", "256")
