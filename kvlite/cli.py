@@ -373,10 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     at any moment, imports included, ends with one line and exit status 130."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
-    sys.unraisablehook = unraisable
-    guard_streams()
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on, Ctrl-C is KeyboardInterrupt
+        sys.unraisablehook = unraisable
+        guard_streams()
         import_numpy_uninterrupted()
         return_freed_memory()
         return _main(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,13 @@ def smol_model(smol_path):
 
 
 KVLITE = str(pathlib.Path(sys.executable).parent / "kvlite")  # the installed console script
+
+
+def free_port() -> int:
+    """A port nothing listens on now (another process could still take it before the test binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
+from conftest import free_port, run_cli
 
 from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
 
@@ -188,8 +188,6 @@ def _header_only_gguf(path: pathlib.Path, arch: str, tensors: dict | None = None
 def test_recurrent_architecture_is_refused_everywhere(tmp_path, command):
     """llama.cpp cannot remove part of a recurrent memory: every command says so in one line and
     names what kvlite supports."""
-    from test_serve import free_port
-
     path = _header_only_gguf(tmp_path / "mamba.gguf", "mamba")
     port = ["--port", str(free_port())] if command == ["serve"] else []
     proc = run_cli(command[0], "-m", str(path), *command[1:], *port, stdin="hi\n", timeout=60)

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import free_port, run_cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPT = "abcdefghij" * 60  # 600 byte-level tokens
@@ -26,9 +26,7 @@ PROMPT = "abcdefghij" * 60  # 600 byte-level tokens
 
 @pytest.fixture(scope="module")
 def rpc_endpoint():
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "rpc_server.py"), "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     deadline = time.monotonic() + 30

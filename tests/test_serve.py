@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
-from conftest import KVLITE
+from conftest import KVLITE, free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,12 +30,6 @@ pytestmark = pytest.mark.slow
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 NEEDLE = pathlib.Path(__file__).parent.parent / "docs" / "needle.txt"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Live:

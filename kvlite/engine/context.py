@@ -183,7 +183,8 @@ class Context:
         if getattr(self, "batcher", None) is not None:
             self.batcher.close()
         if getattr(self, "ptr", None):
-            L.llama_batch_free(self._batch)
+            if hasattr(self, "_batch"):  # not yet made when a Ctrl-C fell in __init__ between the two
+                L.llama_batch_free(self._batch)
             L.llama_free(self.ptr)
             self.ptr = None
 
