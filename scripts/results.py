@@ -1035,8 +1035,9 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   0.108 nats; EchoKV - LAQ +0.070 [0.002, 0.175], most of it two multikey samples that both still
   answered) and about level at 2% (0.024 against 0.026). EchoKV's default at these lengths (6
   proposals from 16,000 cells, chosen on the tune split) held: all 24 scored the same on every
-  sample (0.00 [0.00, 0.00]) and were 0.001 nats closer. 32K: not concluded (the stage resumes
-  across sessions).
+  sample (0.00 [0.00, 0.00]) and were 0.001 nats closer. 32K: not concluded; its table holds the
+  samples run so far (complete at 36, about 85 minutes a sample on this machine), and `python
+  scripts/results.py --stages long-test-qwen-32768` resumes it where it stopped.
 - **Small budgets** (issue 25): at 64 cells EchoKV as shipped (its smoothing of 7 under 128 cells,
   chosen on Qwen's tune split) is level with LAQ on both models (after - LAQ: 0.00 on Qwen at 2K
   and 4K, 0.00 [-0.04, 0.04] and +0.03 [-0.04, 0.11] on SmolLM2). Before that rule, EchoKV trailed
@@ -1078,8 +1079,8 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   proposals there; [cache.md](cache.md), "Where an eviction's time goes") and at 1% the closer to
   the full cache's distributions (EchoKV - LAQ in KL +0.070 [0.002, 0.175] nats). Not SnapKV,
   StreamingLLM or KVzip at these budgets, and not chunked mode for a prompt whose question comes at
-  its end: it evicts before it reads the question. 32K: not concluded yet (the stage resumes across
-  sessions; nothing here rests on it). Below 16,000 cells EchoKV keeps all 24 proposals: at 8K on
+  its end: it evicts before it reads the question. 32K: not concluded (its stage is partial;
+  nothing here rests on it). Below 16,000 cells EchoKV keeps all 24 proposals: at 8K on
   SmolLM2 about 1.09x the full cache's time to the first token; `--proposals 12`, about 1.0x, tied
   it on the tune split's scores but kept under the 98% of its cells the rule asked at 256 cells.
 - **A long generation under a fixed memory** (chunked mode, `--cache J`): StreamingLLM is as good as
