@@ -295,7 +295,8 @@ CASES = {
 
 
 def _argv(template, tiny_paths, files):
-    return [a if isinstance(a, bytes) else a.format(**tiny_paths, **files, port=free_port()) for a in template]
+    fields = {**tiny_paths, **files, "port": free_port()}
+    return [a if isinstance(a, bytes) else a.format(**fields) for a in template]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
