@@ -2,7 +2,9 @@
 
 --dump FILE, run with each build's Python: on every tiny fixture (kvlite.reference.tiny_gguf.FIXTURES,
 f32 weights, an f32 cache), the prefill logits of 40 fixed tokens, and for each policy what
-`kvlite generate` kept of a 600-token prompt at budget 100 and its first 8 tokens.
+`Session.generate` (what `kvlite generate` runs) kept of a 600-token prompt at budget 100 and its
+first 8 tokens. One process, and one model load per fixture: a GPU backend compiles its shaders
+once, not once a policy (docs/gpu.md has the times).
 --compare A B: the logits within ATOL_LOGITS, and the kept positions of each run overlapping in at
 least MIN_KEPT_OVERLAP of the budget. Exits 1, naming what differs, where they do not.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 
@@ -29,46 +30,45 @@ import numpy as np
 ATOL_LOGITS = 2e-2
 MIN_KEPT_OVERLAP = 0.9
 PROMPT = "abcdefghij" * 60  # 600 byte-level tokens
-POLICIES = [
-    ["snapkv", "--budget", "100"],
-    ["laq", "--budget", "100", "-T", "4", "--workspace", "200"],
-    ["echokv", "--budget", "100", "-T", "4", "--workspace", "200"],
-    ["kvzip", "--budget", "100"],
-    ["knorm", "--budget", "100"],
-    ["cc-fast", "--budget", "100"],
-    ["streaming", "--cache", "96", "--chunk", "32"],
-]
+POLICIES = {  # name: make_policy's parameters (the CLI's -T is lookahead, --cache J is budget J, chunked)
+    "snapkv": dict(budget=100),
+    "laq": dict(budget=100, lookahead=4, workspace=200),
+    "echokv": dict(budget=100, lookahead=4, workspace=200),
+    "kvzip": dict(budget=100),
+    "knorm": dict(budget=100),
+    "cc-fast": dict(budget=100),
+    "streaming": dict(budget=96, mode="chunked"),
+}
 
 
 def dump(out: pathlib.Path) -> None:
+    from kvlite.api import Session
     from kvlite.cache import KVCache
     from kvlite.engine import Context, Model
     from kvlite.native import default_device
+    from kvlite.policies import make_policy
     from kvlite.reference.tiny_gguf import FIXTURES, write_tiny_gguf
+    from kvlite.settings import RunSettings
 
-    kvlite = str(pathlib.Path(sys.executable).parent / "kvlite")
     result: dict = {"kernels_on": default_device(), "archs": {}}
     with tempfile.TemporaryDirectory() as d:
         for name, spec in FIXTURES.items():
-            path = str(write_tiny_gguf(pathlib.Path(d) / f"{name}.gguf", spec))
-            model = Model(path)
+            model = Model(str(write_tiny_gguf(pathlib.Path(d) / f"{name}.gguf", spec)))
             ctx = Context(model, n_ctx=256, n_batch=64, type_k="f32", type_v="f32")
             tokens = [int(t) for t in np.random.default_rng(0).integers(3, model.n_vocab, size=40)]
             KVCache(ctx).append(tokens, logits="all")
             logits = np.stack([ctx.logits(i) for i in range(len(tokens))])
+            ctx.close()
             runs = {}
-            for policy in POLICIES:
-                if policy[0].startswith("cc") and spec.arch == "gemma3":
+            for policy, params in POLICIES.items():
+                if policy.startswith("cc") and spec.arch == "gemma3":
                     continue  # the counter-causal pass refuses gemma3 (docs/policies.md)
-                proc = subprocess.run([kvlite, "generate", "-m", path, "-p", PROMPT, "-n", "8", "--json",
-                                       "--policy", *policy], capture_output=True, text=True, timeout=300)  # fmt: skip
-                if proc.returncode != 0:
-                    raise SystemExit(f"{policy[0]} on {name}: {proc.stderr.strip()}")
-                g = json.loads(proc.stdout)
-                runs[policy[0]] = dict(text=g["text"], kept=g["cache"]["kept_positions"],
-                                       kv_buffers=g["cache"]["kv_buffers"])  # fmt: skip
+                settings = RunSettings(chunk=32) if policy == "streaming" else RunSettings()  # h = 32
+                g = Session(model, make_policy(policy, **params), settings).generate(PROMPT, 8).as_dict()
+                runs[policy] = dict(text=g["text"], kept=g["cache"]["kept_positions"],
+                                    kv_buffers=g["cache"]["kv_buffers"])  # fmt: skip
             result["archs"][name] = dict(logits=logits.tolist(), runs=runs)
-            del ctx, model
+            model.close()
     out.write_text(json.dumps(result))
     print(f"wrote {out} (kernels on {result['kernels_on']})")
 

@@ -15,10 +15,14 @@
 # off: ggml's plain C path). THREADS pins the run to that many cores with taskset; kvlite's
 # default -t is the cores it may run on. Default: native avx2 generic, each at 1 and 2 threads,
 # running the model-answer tests (-m model_answer); `-- ` with nothing after runs the whole suite.
-# Builds are cached in build/cpu-variants/ (under a minute each on 2 cores the first time).
+# Each variant's library is kept in the build cache (scripts/build_cache.sh:
+# ~/.cache/kvlite/builds/ggml-cpu-VARIANT-KEY; under a minute each on 2 cores the first time), its
+# venv in build/cpu-variants/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
+# shellcheck source=scripts/build_cache.sh
+. scripts/build_cache.sh
 venv=$root/.venv
 out=$root/build/cpu-variants
 mkdir -p "$out"
@@ -31,8 +35,7 @@ if [ $# -gt 0 ]; then shift; pytest_args=("$@"); else pytest_args=(-m model_answ
 
 site=$("$venv/bin/python" -c "import llama_cpp, os; print(os.path.dirname(os.path.dirname(llama_cpp.__file__)))")
 version=$("$venv/bin/python" -c "import llama_cpp; print(llama_cpp.__version__)")
-lib=$(cd "$site/llama_cpp/lib" && ls libggml-cpu.so.*.*.* 2>/dev/null | head -n1)
-[ -n "$lib" ] || { echo "cpu_variants: no libggml-cpu.so.X.Y.Z in $site/llama_cpp/lib" >&2; exit 2; }
+[ "$version" = "$LCP" ] || { echo "cpu_variants: .venv has llama-cpp-python $version, not $LCP: run scripts/setup.sh" >&2; exit 2; }
 
 flags_of() {
   case "$1" in
@@ -42,35 +45,26 @@ flags_of() {
   esac
 }
 
-build_variant() {  # prints the path of the variant's libggml-cpu
-  local name=$1 src=$out/llama_cpp_python-$version bdir=$out/$1
-  if [ ! -f "$bdir/$lib" ]; then
-    if [ ! -d "$src" ]; then
-      "$venv/bin/pip" download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$out" >&2
-      tar xzf "$out/llama_cpp_python-$version.tar.gz" -C "$out"
-    fi
-    # shellcheck disable=SC2046  # the flags are words
-    cmake -S "$src" -B "$bdir/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON $(flags_of "$name") >&2
-    cmake --build "$bdir/cmake" --target ggml-cpu -j "$(nproc)" >&2
-    cp "$(find "$bdir/cmake" -name "$lib" | head -n1)" "$bdir/$lib"
-  fi
-  echo "$bdir/$lib"
+build_variant() {  # DIR: DIR/lib gets the variant $variant's libggml-cpu
+  local dir=$1
+  mkdir -p "$dir/src" "$dir/lib"
+  tar xzf "$(lcp_sdist)" -C "$dir/src"
+  # shellcheck disable=SC2046  # the flags are words
+  cmake -S "$dir/src/llama_cpp_python-$LCP" -B "$dir/cmake" -Wno-dev -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON \
+    $(flags_of "$variant") > "$dir/build.log" 2>&1
+  cmake --build "$dir/cmake" --target ggml-cpu -j "$(nproc)" >> "$dir/build.log" 2>&1
+  find "$dir/cmake" -type f -name 'libggml-cpu.so.*.*.*' -exec cp {} "$dir/lib" \;
+  rm -rf "$dir/src" "$dir/cmake"
 }
 
 overlay() {  # a copy of .venv (hard links, seconds) whose libggml-cpu is the variant's
-  local name=$1 dir=$out/venv-$1
-  rm -rf "$dir"
-  cp -al "$venv" "$dir"
-  local site_copy=${site/#$venv/$dir} built f
-  built=$(build_variant "$name")
-  # the wheel holds libggml-cpu.so, .so.0 and .so.X.Y.Z as three files (wheels have no links)
-  for f in "$site_copy"/llama_cpp/lib/libggml-cpu.so*; do rm "$f" && cp "$built" "$f"; done
-  # console scripts name .venv's python: point them at the copy (new files, not the hard links)
-  find "$dir/bin" -maxdepth 1 -type f | while read -r f; do
-    if head -c 200 "$f" | grep -q "^#!$venv/bin/python"; then
-      sed "1s|^#!$venv/bin/python|#!$dir/bin/python|" "$f" > "$f.new" && chmod +x "$f.new" && mv "$f.new" "$f"
-    fi
-  done
+  local dir=$out/venv-$1 built variant=$1
+  built=$(cached_build "ggml-cpu-$1" "llama-cpp-python $LCP
+cmake $(flags_of "$1"), target ggml-cpu
+$(compiler_key)
+recipe: $(declare -f build_variant | sha256sum | cut -c1-16)" build_variant)
+  venv_overlay "$venv" "$dir"
+  swap_lib "${site/#$venv/$dir}/llama_cpp/lib" "$(echo "$built"/lib/libggml-cpu.so.*)"
   echo "$dir"
 }
 

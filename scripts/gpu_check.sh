@@ -9,12 +9,21 @@
 #
 # DIR holds llama-cpp-python 0.3.36's sdist trimmed to what the build needs (llama.cpp's ggml, src,
 # include, common, vendor, tools/mtmd and CMake files; no models, docs or tests), kvlite's tree
-# (without results-runs/), and wheels of the pure-Python dependencies the GPU machine lacks (it has
-# Python 3.12 with numpy, torch, pytest, hypothesis, scikit-build-core, CMake and ninja).
-# The check: `kvlite info`; the parity and invariant tests of tests/device_tests.txt on the tiny
-# fixtures (not the slow ones, whose models do not travel) with all layers and kvlite's kernels on
-# the device; then eviction's speed and memory on random-weight GGUFs of real shapes written there
-# (scripts/bench_shapes.py).
+# (without results-runs/), wheels of the pure-Python dependencies the GPU machine lacks (it has
+# Python 3.12 with numpy, torch, pytest, hypothesis, scikit-build-core, CMake and ninja), and news/,
+# the test split's prose: the one file of gensim's wheel that kvlite reads.
+# The check: `kvlite info`; the backend tests (pytest -m backend: parity with the torch twins,
+# kernels on the device, the cache's buffers against llama.cpp's state) on the tiny fixtures (not
+# the slow ones, whose models do not travel) with all layers and kvlite's kernels on the device; then eviction's speed and memory on random-weight GGUFs of real shapes written there
+# (scripts/bench_shapes.py); then, on CUDA, the 32K test stage's remaining cells (long-test-qwen-32768:
+# about 85 minutes a sample on 2 CPU cores, so it left results.py's CPU plan), into out/runs/, from the
+# records the tree's results-runs/ holds. Bring back out/runs/long-test-qwen-32768/samples.jsonl (the
+# new cells): append it to results-runs/long-test-qwen-32768/samples.jsonl, beside the .gz.
+# That stage needs Qwen2.5-Coder-0.5B's GGUF (480 MB) in kvlite's model cache there (KVLITE_CACHE, or
+# ~/.cache/kvlite), and nothing puts it there yet: that machine cannot download it, and the tree
+# alone takes about 46 of a call's 64 MiB (results-runs/ 44), so a call carries a few MiB of it at
+# most. Without the file the stage says so and is skipped; it has never run, and --rehearse (a CPU
+# build, where it would take days) skips it too.
 # Each stage leaves a mark in build/gpu-check-KIND/out, which a warm machine keeps between calls (the
 # device tool's $OUT is new each call), so the same command again resumes after the last stage that
 # finished; what that folder holds is copied into $OUT after each stage.
@@ -53,6 +62,12 @@ pack() {  # $1: DIR
     pip download -q --no-deps --only-binary :all: --python-version "$py" --implementation cp \
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$dir/wheels" $WHEELS
   done
+  step "the test split's prose (kvlite.haystack's NEWS_FILE) out of gensim's wheel, for the 32K stage"
+  local news
+  news=$(python3 -c "from kvlite.haystack import NEWS_PACKAGE as p, NEWS_FILE as f; print(p, '/'.join(f))")
+  pip download -q --no-deps --only-binary :all: -d "$tmp" "${news% *}"  # any platform's wheel holds it
+  python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('gensim/' + sys.argv[2], sys.argv[3])" \
+    "$tmp"/gensim-*.whl "${news#* }" "$dir/news"
   (cd "$dir" && { git -C "$root" rev-parse HEAD; git -C "$root" status --short | head -20;
     find . -type f -printf '%s %p\n' | sort -k2; } > MANIFEST.txt)
   step "archive: $(du -sb "$dir" | cut -f1) bytes in $dir ($(du -sh "$dir" | cut -f1); the tree's cap is 64 MiB)"
@@ -109,9 +124,11 @@ check() {  # $1: DIR, $2: venv (made, with numpy, torch, pytest, hypothesis visi
   fi
   if [ ! -e "$out/tests-passed" ]; then
     step "parity and invariants on the tiny fixtures, every layer and the kernels on $(grep kernels_on "$out/info.txt" | awk '{print $2}')"
+    # the modules holding backend tests only: the others import what the GPU machine lacks (FastAPI)
     # shellcheck disable=SC2046
     if KVLITE_HYPOTHESIS_EXAMPLES="${KVLITE_HYPOTHESIS_EXAMPLES:-25}" python -m pytest -q -p no:cacheprovider \
-      -m "not slow" $(grep -v '^#' tests/device_tests.txt) 2>&1 | tee "$out/tests.txt"; then
+      -m "backend and not slow" $(grep -l 'pytest.mark.backend\|on_backend(' tests/test_*.py) \
+      2>&1 | tee "$out/tests.txt"; then
       touch "$out/tests-passed"
     fi
   fi
@@ -124,6 +141,32 @@ check() {  # $1: DIR, $2: venv (made, with numpy, torch, pytest, hypothesis visi
     python scripts/bench_shapes.py --shapes smollm2-135m --lengths 1024 --policies full,echokv --budget 128 -n 8 \
       --dir "$work/shapes" --out "$out/shapes.jsonl" | tee -a "$out/shapes.txt"
   fi
+  cp -a "$out/." "$ret/"
+  step "the 32K test stage's remaining cells (long-test-qwen-32768)"
+  local gguf runs=$out/runs
+  gguf=$(python -c "from kvlite import models as m; print(m.cache_dir() / m.PARTED_MODELS['qwen2.5-coder-0.5b'].file)")
+  if [ "$kind" != cuda ]; then
+    echo "skipped: a CPU build (days on a few cores; the stage is the GPU's)"
+  elif [ -e "$out/long-test-done" ]; then
+    echo "done in an earlier call: $runs/long-test-qwen-32768/samples.jsonl"
+  elif [ ! -f "$gguf" ]; then
+    echo "skipped: no Qwen2.5-Coder-0.5B GGUF at $gguf (it does not travel with the tree; docs/gpu.md)"
+  else
+    if [ ! -d "$runs" ]; then  # its records so far, and the pick its EchoKV and LAQ specs are spelled from
+      mkdir -p "$runs/tune-default-4096"
+      cp -a "$root/results-runs/long-test-qwen-32768" "$runs/"
+      cp "$root/results-runs/tune-default-4096/pick.json" "$runs/tune-default-4096/"
+    fi
+    # news/: a gensim folder holding the corpus alone, which kvlite finds as it finds the wheel's
+    export PYTHONPATH="$dir/news${PYTHONPATH:+:$PYTHONPATH}"
+    # Stopped by SIGINT (results.py keeps every record written) well inside the call's 10 minutes, so
+    # what it did reaches $OUT; the same command again resumes.
+    if timeout -s INT -k 60 "${LONG_S:-300}" python scripts/results.py --stages long-test-qwen-32768 --long \
+      -t "$(nproc)" --out "$runs" 2>&1 | tee -a "$out/long-test.txt"; then
+      touch "$out/long-test-done"
+    fi
+  fi
+  cp -a "$out/." "$ret/"
   [ -e "$out/tests-passed" ] || { echo "gpu_check: tests failed: $out/tests.txt"; exit 1; }
   step "done: $out/"
 }

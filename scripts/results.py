@@ -10,6 +10,10 @@ be run alone:
     .venv/bin/python scripts/results.py --stages test-smol-4096 # one stage (names: --list)
     .venv/bin/python scripts/results.py --skip-run             # the document from what is there
     .venv/bin/python scripts/results.py --quick                # a smoke run of the script
+
+Before any model work each stage's time is estimated from the time its model's cells took here
+(estimate_s); a stage over LIMIT_H hours is refused unless --long is given. GPU_STAGES are not in
+the default plan: scripts/gpu_check.sh runs them where a GPU is lent (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -41,6 +46,7 @@ TASKS = ["single", "multikey", "twohop"]
 BUDGETS = [128, 256]
 N = {"smol": 24, "qwen": 12, "gemma": 24}  # samples per task and length (the protocol's minimum)
 LENGTHS = {"smol": [2048, 4096, 8192], "qwen": [2048, 4096], "gemma": [2048, 4096]}
+MODEL_NAMES = {"default": "SmolLM2-135M (default)"}  # in tables beside the names -m takes
 RUNS = ROOT / "results-runs"  # --out changes it
 FALLBACK_ECHOKV = "echokv(S=1,T=24,kernel=13,B1=512,aggregate=max)"  # the defaults before the protocol
 
@@ -157,6 +163,10 @@ def stages(quick: bool = False) -> list[Stage]:
 
 KV_TYPES = ["f16", "q8_0", "q4_0"]
 LONG = [16384, 32768]
+# Stages left out of the default plan: at about 85 minutes a sample on this machine's 2 cores, the
+# 32K test stage runs in the GPU check's pack (scripts/gpu_check.sh); by name here with --long.
+GPU_STAGES = {"long-test-qwen-32768"}
+LIMIT_H = 2  # a stage estimated longer than this many hours here is refused without --long
 
 
 def long_budgets(length: int) -> list[int]:
@@ -265,6 +275,69 @@ def run(stage: Stage, out: pathlib.Path, threads: int | None) -> None:
         grid.run(progress=cell_done)
     if grid.failures:
         print(f"{stage.name}: {grid.failures} failure(s), see {out / stage.name}/errors.jsonl", file=sys.stderr)
+
+
+def cells_left(stage: Stage, out: pathlib.Path) -> int:
+    return Grid(GridConfig(out=str(out / stage.name), **stage.cfg)).count_todo()
+
+
+def rates(runs: pathlib.Path) -> dict[tuple[str, int], float]:
+    """Seconds per cell measured here, by (model, prompt length), over every stage of the plan with
+    records in runs: the stages' seconds over their records. A stage's seconds are the larger of its
+    wall.json entry (its runs since the time was kept cell by cell, so not always all of them) and
+    the sum of its records' own times (each cell's, and its prompt's reading on the first cell
+    written after it; older records lack the reading): each falls short of what the stage took."""
+    walls, acc = read_walls(runs), defaultdict(lambda: [0.0, 0])
+    for s in stages():
+        rs = read_records(runs / s.name) if (runs / s.name).is_dir() else []
+        times = [r["time"].get("cell_s", 0) + r["time"].get("prefix_s", 0) for r in rs if "time" in r]
+        if times:
+            a = acc[(s.cfg["models"][0], s.cfg["lengths"][0])]
+            a[0], a[1] = a[0] + max(walls.get(s.name, 0.0), sum(times)), a[1] + len(times)
+    return {key: secs / n for key, (secs, n) in acc.items()}
+
+
+def estimate_s(stage: Stage, cells: int, measured: dict[tuple[str, int], float]) -> float | None:
+    """Seconds here for `cells` of the stage: its model's rate at the nearest measured length (by
+    ratio), scaled in proportion to the length: a cell's time is mostly reading the prompt and the
+    lookahead's passes over the cache, both about linear in the prompt on these small models at the
+    lengths measured (attention's quadratic share grows beyond, so a far scale-up errs low). The
+    rates are in docs/results.md, "Wall time". None: no cell of this model measured."""
+    model, length = stage.cfg["models"][0], stage.cfg["lengths"][0]
+    lengths = [n for m, n in measured if m == model]
+    if not lengths:
+        return None
+    near = min(lengths, key=lambda n: abs(math.log(length / n)))
+    return cells * measured[(model, near)] * length / near
+
+
+def hours(seconds: float | None, where: str = "here") -> str:
+    """An estimate_s in words."""
+    if seconds is None:
+        return f"no estimate (no cell of its model measured {where})"
+    if seconds < 3600:
+        return f"about {seconds / 60:.0f} min {where}"
+    return f"about {seconds / 3600:.1f} h {where}" if seconds < 36000 else f"about {seconds / 3600:.0f} h {where}"
+
+
+def gate(left: list[tuple[Stage, int]], runs: pathlib.Path, long: bool) -> str | None:
+    """Print each stage's cells left (left: the stages to run, with theirs) and time here, on stdout
+    (stderr is for what went wrong); the one-line refusal when any would take over LIMIT_H hours
+    and long is not given (None: go ahead)."""
+    measured = rates(runs) if left else {}
+    over = []
+    for s, n in left:
+        est = estimate_s(s, n, measured)
+        print(f"{s.name}: {n} cells left, {hours(est)}", flush=True)
+        if est is not None and est > LIMIT_H * 3600:
+            over.append((s.name, est))
+    if not over or long:
+        return None
+    named = ", ".join(f"{name} ({hours(est)})" for name, est in over)
+    gpu = [name for name, _ in over if name in GPU_STAGES]
+    where = f"{', '.join(gpu)} runs in the GPU check's pack (scripts/gpu_check.sh, docs/gpu.md); " if gpu else ""
+    it = "it" if len(over) == 1 else "them"
+    return f"results.py: {named} would take over {LIMIT_H} h, so nothing ran; {where}--long runs {it} here anyway"
 
 
 def records_of(out: pathlib.Path, prefix: str) -> list[dict]:
@@ -696,7 +769,8 @@ def kvzip_table(kvzip: list[dict], chat: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stages", default=None, help="comma-separated stage names (default: all, in priority order)")
-    ap.add_argument("--list", action="store_true", help="list the stages and exit")
+    ap.add_argument("--list", action="store_true", help="list the stages, each with its cells left and time here")
+    ap.add_argument("--long", action="store_true", help=f"run stages estimated over {LIMIT_H} h here too")
     ap.add_argument("--skip-run", action="store_true", help="only write docs/results.md from results-runs/")
     ap.add_argument("--quick", action="store_true", help="a smoke run of the script (minutes)")
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -707,16 +781,24 @@ def main() -> None:
     out = RUNS / ("quick" if args.quick else "")
     plan = stages(args.quick)
     if args.list:
-        print("\n".join(s.name for s in plan))
+        measured = rates(RUNS)
+        for s in plan:
+            n = cells_left(s, out)
+            gpu = " (GPU pack; here with --long)" if s.name in GPU_STAGES else ""
+            state = f"{n} cells left, {hours(estimate_s(s, n, measured))}" if n else "complete"
+            print(f"{s.name}{gpu}: {state}")
         return
-    wanted = set(args.stages.split(",")) if args.stages else {s.name for s in plan}
+    wanted = set(args.stages.split(",")) if args.stages else {s.name for s in plan if s.name not in GPU_STAGES}
     unknown = wanted - {s.name for s in plan}
     if unknown:
         sys.exit(f"unknown stage(s) {', '.join(sorted(unknown))}: see --list")
     if not args.skip_run:
-        for stage in plan:
-            if stage.name in wanted:
-                run(stage, out, args.threads)
+        left = [(s, n) for s in plan if s.name in wanted and (n := cells_left(s, out))]  # a complete stage: nothing
+        refusal = gate(left, RUNS, args.long)
+        if refusal:
+            sys.exit(refusal)
+        for stage, _ in left:
+            run(stage, out, args.threads)
     write_document(out, read_walls(out), args.quick)
 
 
@@ -737,6 +819,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     long_test = records_of(out, "long-test-")
     proposals = records_of(out, "tune-proposals-")
     copied = records_of(out, "tune-copied-")
+    measured = rates(out)
     images = []
     evo = next((r for r in decode if r.get("evolution") and r["policy"].startswith("cc(")), None)
     evo = evo or next((r for r in decode if r.get("evolution")), None)
@@ -798,6 +881,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "cells across the prompt. At 32K, KVzip's reconstruction passes decode at positions up to about 33,050, "
         "past the 32,768 the model was trained on (docs/policies.md, under KVzip); at 16K, within them, it "
         "scored 0.00 as well.\n",
+        *([] if quick else [gpu_stages_note(out, measured)]),
         long_section(long_test) if long_test else "(not run yet)\n",
         "\n## EchoKV with fewer proposals (tune split, issue 29)\n",
         PROPOSALS_TEXT,
@@ -836,6 +920,12 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "long-test-qwen-16384 ran across sessions before the time was kept by cell, and its row counts its last "
         "run only (25 of its 684 cells).\n",
         "| stage | seconds |\n|---|---|\n" + "\n".join(f"| {k} | {v:.0f} |" for k, v in walls.items()),
+        "\nBefore a stage runs, `scripts/results.py` estimates its time from these: its cells left times its "
+        "model's seconds per cell at the nearest length measured, scaled in proportion to the length, and refuses "
+        f"a stage over {LIMIT_H} h without `--long`. The seconds per cell, per model and length, over the stages "
+        "of the plan with records (a stage's seconds: the larger of its row above and its records' own times):\n",
+        "| model | length | s / cell |\n|---|---|---|\n"
+        + "\n".join(f"| {MODEL_NAMES.get(m, m)} | {n} | {v:.1f} |" for (m, n), v in sorted(measured.items())),
         "\n## Plots\n",
         *[f"![{name}](results/{name})\n" for name in images],
         DISCUSSION,
@@ -843,6 +933,28 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
     target = ROOT / "docs" / "results.md" if not quick else out / "results.md"
     target.write_text("\n".join(sections) + "\n")
     print(f"wrote {target}")
+
+
+def gpu_stages_note(out: pathlib.Path, measured: dict[tuple[str, int], float]) -> str:
+    """Each GPU stage's state: how many of its records are in, and where the rest runs."""
+    cores = "on this machine's 2 cores"
+    notes = []
+    for s in stages():
+        if s.name not in GPU_STAGES:
+            continue
+        n = len(read_records(out / s.name)) if (out / s.name).is_dir() else 0
+        left = cells_left(s, out)
+        if not left:
+            notes.append(f"`{s.name}` is complete ({n} records).")
+            continue
+        notes.append(
+            f"`{s.name}` is partial: {n} of {n + left} records ({left} cells left, "
+            f"{hours(estimate_s(s, left, measured), where=cores)}). The rest runs in the GPU check's "
+            f"pack when a GPU is lent (`scripts/gpu_check.sh`, docs/gpu.md; here: `scripts/results.py --stages "
+            f"{s.name} --long`). Cells run there sum in another order than this CPU does, so a greedy near-tie can "
+            "break the other way, as on another CPU build."
+        )
+    return "\n".join(notes) + "\n"
 
 
 COPIED_TEXT = """A lookahead step on the shared workspace attends over the whole cache's span (the workspace is a
@@ -1035,9 +1147,10 @@ a cell with fewer samples than the protocol's says so. Read every sentence here 
   0.108 nats; EchoKV - LAQ +0.070 [0.002, 0.175], most of it two multikey samples that both still
   answered) and about level at 2% (0.024 against 0.026). EchoKV's default at these lengths (6
   proposals from 16,000 cells, chosen on the tune split) held: all 24 scored the same on every
-  sample (0.00 [0.00, 0.00]) and were 0.001 nats closer. 32K: not concluded; its table holds the
-  samples run so far (complete at 36, about 85 minutes a sample on this machine), and `python
-  scripts/results.py --stages long-test-qwen-32768` resumes it where it stopped.
+  sample (0.00 [0.00, 0.00]) and were 0.001 nats closer. 32K: not concluded; its stage is partial
+  and its table holds the samples run so far (complete at 36). At about 85 minutes a sample on
+  this machine's 2 cores, the rest runs in the GPU check's pack (`scripts/gpu_check.sh`) when a GPU
+  is lent; `python scripts/results.py --stages long-test-qwen-32768 --long` resumes it here.
 - **Small budgets** (issue 25): at 64 cells EchoKV as shipped (its smoothing of 7 under 128 cells,
   chosen on Qwen's tune split) is level with LAQ on both models (after - LAQ: 0.00 on Qwen at 2K
   and 4K, 0.00 [-0.04, 0.04] and +0.03 [-0.04, 0.11] on SmolLM2). Before that rule, EchoKV trailed

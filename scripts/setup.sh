@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs kvlite with the default model. With --serve, what `kvlite serve`
 # needs (FastAPI, uvicorn, sse-starlette); with --test, that and the test tools.
-# llama-cpp-python compiles from source on the first install (~13 min on 2 cores); pip caches
+# llama-cpp-python compiles from source on the first install (~6 min on 2 cores); pip caches
 # the wheel, and kvlite's own build links against the ggml it installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -70,6 +70,12 @@ def smol_model(smol_path):
     return Model(smol_path)
 
 
+def on_backend(values, chosen) -> list:
+    """Parametrize values, those in `chosen` marked `backend`: a GPU backend's run (pytest -m
+    backend, scripts/vulkan_check.sh) takes one case per device code path, the CPU suite all."""
+    return [pytest.param(v, marks=pytest.mark.backend) if v in chosen else v for v in values]
+
+
 KVLITE = str(pathlib.Path(sys.executable).parent / "kvlite")  # the installed console script
 
 

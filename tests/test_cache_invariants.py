@@ -31,6 +31,7 @@ def test_runs():
     assert runs(np.array([], dtype=int)) == []
 
 
+@pytest.mark.backend
 def test_state_blob_round_trips_byte_for_byte(tiny_model):
     ctx = Context(tiny_model, n_ctx=128, n_batch=32)
     cache = KVCache(ctx)
@@ -42,6 +43,7 @@ def test_state_blob_round_trips_byte_for_byte(tiny_model):
     assert np.array_equal(state.positions(), cache.positions())
 
 
+@pytest.mark.backend
 def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path, monkeypatch):
     """The layer-at-a-time reader of llama.cpp's state file (what evictions read) gives the same cells,
     keys and values as the in-memory export, with holes, for V stored both ways (flash attention off:
@@ -92,6 +94,7 @@ def copying(cache: KVCache, monkeypatch) -> KVCache:
     return cache
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("copied", [False, True])
 def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_model, copied, monkeypatch):
     ctx = Context(tiny_arch_model, n_ctx=256, n_batch=64)
@@ -111,6 +114,7 @@ def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_mode
     assert ctx.state_get(LIVE) == before
 
 
+@pytest.mark.backend
 def test_a_copied_view_swaps_half_its_cells_in_a_context_with_room_for_one_view(tiny_arch_model):
     """EchoKV's repair on a copied workspace: half the view removed, as many other cells loaded,
     in a context made with room for the view and the lookahead only: the cells freed are not one
@@ -150,6 +154,7 @@ OPS = st.one_of(
 EXAMPLES = int(os.environ.get("KVLITE_HYPOTHESIS_EXAMPLES", "40"))
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("swa_full", [True, False])  # gemma3: the sliding layers' cache of n_ctx cells or the window's
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
@@ -157,6 +162,7 @@ def test_random_operation_sequences_match_llama_state(tiny_arch_model, swa_full,
     _run_ops(Context(tiny_arch_model, n_ctx=512, n_batch=32, swa_full=swa_full), ops, seed)
 
 
+@pytest.mark.backend
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))
 def test_random_operation_sequences_with_copied_workspaces(tiny_arch_model, ops, seed, monkeypatch):
@@ -175,6 +181,7 @@ def wide_model(tmp_path_factory):
     return Model(str(write_tiny_gguf(tmp_path_factory.mktemp("wide") / "wide.gguf", spec)))
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=14), seed=st.integers(0, 2**16))

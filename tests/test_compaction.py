@@ -18,6 +18,8 @@ from kvlite.cache import KVCache
 from kvlite.engine import LIVE, Context, kvstate
 from kvlite.reference.model import ReferenceModel
 
+pytestmark = pytest.mark.backend  # every test here: a result that depends on the ggml backend
+
 
 def _case(n_vocab, n_prompt, seed):
     rng = np.random.default_rng(seed)

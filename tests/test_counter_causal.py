@@ -89,6 +89,7 @@ def _twin_from(ref, contents: CacheContents, variant, score, min_gap=0, blind=Fa
     ).numpy()  # fmt: skip
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("variant", ["full", "fast"])
 @pytest.mark.parametrize("score", ["raw", "logprob"])
 @pytest.mark.parametrize("holes", [False, True])
@@ -139,6 +140,7 @@ def test_blind_twin_matches_its_definition(tiny_path):
     assert torch.abs(plain[:-1] - twin[:-1]).max() > 1e-3  # x_i's own input mattered
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("holes", [False, True])
 def test_blind_native_matches_twin(tiny_path, holes):
     ref = ReferenceModel(tiny_path)
@@ -159,6 +161,7 @@ def test_blind_native_matches_twin(tiny_path, holes):
         cc.logits(cache_contents(cache, cc, "fast"), "fast", blind=True)
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("block_rows", [1, 7, 32])
 def test_attention_blocks_give_the_same_logits(tiny_paths, block_rows):
     """Long caches go through query blocks that each read only the cells they may see."""
@@ -174,6 +177,7 @@ def test_attention_blocks_give_the_same_logits(tiny_paths, block_rows):
             assert np.abs(got[: -1 - gap] - want[: -1 - gap]).max() < ATOL
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("variant", ["full", "fast"])
 def test_min_gap_skips_the_nearest_cells(tiny_paths, variant):
     path = tiny_paths["qwen2"]
@@ -189,6 +193,7 @@ def test_min_gap_skips_the_nearest_cells(tiny_paths, variant):
     assert np.all(np.isinf(surprise(got)[-4:]))
 
 
+@pytest.mark.backend
 def test_fast_reads_the_hidden_states_the_cache_kept(tiny_paths):
     """The hidden states kept beside the token buffer are the reference's input of the last layer,
     and they leave with their tokens."""

@@ -32,6 +32,7 @@ def _twin(q, k, key_mask=None, pool_kernel=0):
     return attn_pool(qt, kt, key_mask=mask, pool_kernel=pool_kernel).numpy()
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize(
     "n_layer,n_head,n_head_kv,n_q,n_keys,head_dim,k_dtype",
     [
@@ -51,6 +52,7 @@ def test_attn_pool_matches_torch(n_layer, n_head, n_head_kv, n_q, n_keys, head_d
     np.testing.assert_allclose(got.sum(-1), n_q * n_head // n_head_kv, rtol=1e-5)
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("chunk", [0, 16, 50])
 @pytest.mark.parametrize("pool_kernel", [0, 3, 7])
 def test_attn_pool_masked_cells_and_smoothing(chunk, pool_kernel):
@@ -67,6 +69,7 @@ def test_attn_pool_masked_cells_and_smoothing(chunk, pool_kernel):
 
 # KVzip's score: the largest probability over a group's queries, each a single f32 softmax
 # probability (<= 1), so 1e-5 holds with the same margin as the sums above.
+@pytest.mark.backend
 @pytest.mark.parametrize(
     "n_head,n_head_kv,n_q,n_keys,k_dtype,causal",
     [(4, 4, 6, 20, np.float32, False), (9, 3, 40, 120, np.float16, True), (14, 2, 25, 25, np.float32, True),
@@ -87,6 +90,7 @@ def test_attn_pool_max_and_causal_tail_match_torch(n_head, n_head_kv, n_q, n_key
         native().attn_pool(q, k, causal_tail=n_q + 1 if n_q + 1 <= n_keys else n_q - 1)
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("reduce,causal,pool_kernel", [("sum", False, 7), ("max", True, 0), ("sum", True, 3)])
 def test_attn_pool_in_query_blocks_matches_torch(reduce, causal, pool_kernel):
     """Queries whose probabilities would pass the kernel's 8 MB go in blocks (here 4096 keys x 8
@@ -101,6 +105,7 @@ def test_attn_pool_in_query_blocks_matches_torch(reduce, causal, pool_kernel):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.backend
 def test_attn_pool_on_captured_queries_and_cached_keys(tiny_paths):
     """Real inputs: post-RoPE queries captured from llama.cpp and keys read from its cache."""
     model = Model(tiny_paths["llama"])
@@ -159,6 +164,7 @@ def test_stale_library_is_refused(monkeypatch):
         Native()
 
 
+@pytest.mark.backend
 def test_the_kernels_run_on_the_threads_the_context_decodes_with(tiny_paths):
     """-t reaches the score kernels: a context sets the CPU backend's thread count of kvlite's
     library to its own (scripts/bench_scoring.py's (e) measures what that buys)."""

@@ -78,19 +78,20 @@ def test_offloaded_cache_gives_the_local_result(rpc_endpoint, tiny_paths, policy
     assert b["cache"]["final_cells"] == a["cache"]["final_cells"]
 
 
-# Modules whose checks hold as well when the cache lives on the device: twin parity of the pooled
-# and counter-causal scores, resident positions against llama.cpp's exported state after
-# evictions and compaction, the kernels' torch twins. Run in a pytest of their own with
-# KVLITE_TEST_RPC set (conftest.py), so every model of that session is offloaded. A subset, for CI's
-# time, of tests/device_tests.txt, which the GPU checks (scripts/gpu_check.sh, vulkan_check.sh) run.
+# The backend tests (pytest -m backend: twin parity of the pooled and counter-causal scores,
+# resident positions against llama.cpp's exported state after evictions and compaction, the
+# kernels' torch twins) of these modules, run in a pytest of their own with KVLITE_TEST_RPC set
+# (conftest.py), so every model of that session is offloaded. A subset, for CI's time, of what the
+# GPU checks (scripts/gpu_check.sh, vulkan_check.sh) run: every backend test.
 ON_DEVICE = ["tests/test_native_pooling.py", "tests/test_counter_causal.py", "tests/test_cache_invariants.py",
              "tests/test_kvzip.py"]  # fmt: skip
 
 
 def test_parity_and_invariants_with_the_cache_on_the_device(rpc_endpoint):
     env = dict(os.environ, KVLITE_TEST_RPC=rpc_endpoint, KVLITE_HYPOTHESIS_EXAMPLES="25")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
-                           *ON_DEVICE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
+                           "backend and not slow", *ON_DEVICE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
 

@@ -43,6 +43,7 @@ def same_rope(ours: np.ndarray, theirs: np.ndarray, n_pos: int) -> None:
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-7 * n_pos * np.abs(theirs).max())
 
 
+@pytest.mark.backend
 def test_rope_equals_llamacpp_at_every_position(tiny_path):
     info, cap = _captured(tiny_path, 300)
     for il in range(info.n_layer):
@@ -50,6 +51,7 @@ def test_rope_equals_llamacpp_at_every_position(tiny_path):
         same_rope(rope(info, q_pre, np.arange(300), il), q, 300)
 
 
+@pytest.mark.backend
 def test_rope_equals_llamacpp_with_yarn(yarn_path):
     info, cap = _captured(yarn_path, 700)  # well past the original 256-token context
     assert info.rope_scaling == "yarn" and info.rope_freq_scale == 0.25 and info.yarn_ext_factor == 1.0
@@ -57,6 +59,7 @@ def test_rope_equals_llamacpp_with_yarn(yarn_path):
         same_rope(rope(info, cap.get("q_pre", il), np.arange(700)), cap.get("q", il), 700)
 
 
+@pytest.mark.backend
 def test_llama3_frequency_factors_are_read_from_the_file(tiny_paths):
     """The llama3 fixture's rope_freqs.weight, as written, reaches ModelInfo (and through it the
     native RoPE and the twin: the two tests around this one run on that fixture too)."""
@@ -69,6 +72,7 @@ def test_llama3_frequency_factors_are_read_from_the_file(tiny_paths):
     assert read_model_info(tiny_paths["llama"]).rope_freq_factors is None
 
 
+@pytest.mark.backend
 def test_rope_matches_the_torch_twin(tiny_path):
     """Without scaling, ggml's RoPE is the textbook rotation. ggml builds the angles in f32 by
     repeated multiplication (theta_i = p * base^(-2i/D)), so the angle error grows ~ p * i * 6e-8:

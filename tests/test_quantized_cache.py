@@ -89,6 +89,7 @@ def test_rotation_follows_llamacpps_rule(monkeypatch):
         np.testing.assert_allclose(h @ h, np.eye(n), atol=1e-5)
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "bf16"])
 def test_cached_vectors_are_the_models(paths, kv_type, rotation):
     """Layer 0's keys and values (made from the embeddings alone) against the reference model's."""
@@ -114,6 +115,7 @@ def test_cached_vectors_are_the_models(paths, kv_type, rotation):
         kv.close()
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("kv_type", [*QUANTIZED, "bf16"])
 @pytest.mark.parametrize("name", ["llama64", "qwen2"])
 def test_rows_match_the_twin(paths, name, kv_type, rotation):
@@ -132,6 +134,7 @@ def test_rows_match_the_twin(paths, name, kv_type, rotation):
         kv.close()
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "bf16"])
 def test_scores_match_the_twin(paths, kv_type, rotation):
     """Attention pooling (EchoKV, LAQ, SnapKV, KVzip's kernel) of captured queries over the cached
@@ -167,6 +170,7 @@ def test_scores_match_the_twin(paths, kv_type, rotation):
         runner.close()
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 def test_counter_causal_matches_the_twin(paths, kv_type, rotation):
     """The counter-causal pass reads K and V: against the twin run on the twin's reading of the bytes,
@@ -211,6 +215,7 @@ def test_every_policy_evicts_on_every_type(paths, name, kv_type):
         runner.close()
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 def test_compaction_moves_quantized_cells_byte_for_byte(paths, kv_type, rotation):
     model = Model(paths["llama64"])
@@ -231,6 +236,7 @@ def test_compaction_moves_quantized_cells_byte_for_byte(paths, kv_type, rotation
     assert cache.llama_positions(LIVE)[-1] == 82
 
 
+@pytest.mark.backend
 def test_combinations_llamacpp_cannot_run_are_one_line_errors(paths, tmp_path_factory):
     model = Model(paths["llama64"])
     with pytest.raises(KvliteError, match="needs flash attention"):

@@ -20,6 +20,9 @@ from kvlite.cache import KVCache
 from kvlite.engine import Capture, Context, Model
 from kvlite.reference.model import ReferenceModel
 
+pytestmark = pytest.mark.backend  # every test here: a result that depends on the ggml backend
+
+
 ATOL_LOGITS = 1e-3
 ATOL_QK = 1e-4  # q and k are O(1-10): summation-order noise ~1e-6
 ATOL_QK_GELU = 1e-3  # a GeGLU model's (gemma3): the f16 lookup table's rounding flips (above)
