@@ -2,9 +2,10 @@
 # build_llama_server.sh, cpu_variants.sh): one sdist, one build cache, one venv overlay.
 #
 # Builds live outside the clone, in $KVLITE_BUILDS (default ~/.cache/kvlite/builds), one folder
-# per build and key. The key is the sha256 of a text naming everything that changes the binary
-# (the caller's: llama-cpp-python's version, CMake flags, compiler, patches, the recipe itself);
-# that text is kept beside the build as KEY. A build is made in a temporary folder and renamed into
+# per build and key. The key is the sha256 of a text naming everything that changes the binary:
+# the caller's (llama-cpp-python's version, CMake flags, compiler, patches) and the recipe, which
+# cached_build adds (the recipe function and this file, whose helpers it calls); that text is kept
+# beside the build as KEY. A build is made in a temporary folder and renamed into
 # place when it is whole, so a build cut short is never reused: the next run starts it again.
 
 # The callers run with set -e and read a build's folder as $(cached_build ...): without this, bash
@@ -31,7 +32,9 @@ compiler_key() {  # the toolchain lines of a key
 }
 
 cached_build() {  # NAME KEY_TEXT FUNCTION: prints the build's folder, calling FUNCTION DIR to fill it if absent
-  local name=$1 text=$2 fn=$3 dir tmp
+  local name=$1 fn=$3 dir tmp text
+  text="$2
+recipe: $({ declare -f "$fn"; cat "${BASH_SOURCE[0]}"; } | sha256sum | cut -c1-16)"
   dir=$KVLITE_BUILDS/$name-$(printf '%s' "$text" | sha256sum | cut -c1-16)
   if [ ! -f "$dir/KEY" ]; then
     mkdir -p "$KVLITE_BUILDS"

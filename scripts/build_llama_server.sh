@@ -31,6 +31,5 @@ build_server() {  # DIR: DIR/llama-server, statically linked
 key="llama-cpp-python $LCP
 cmake $SERVER_CMAKE, target llama-server
 $(compiler_key)
-cpu: $(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-16)
-recipe: $(declare -f build_server | sha256sum | cut -c1-16)"
+cpu: $(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-16)"
 echo "$(cached_build llama-server "$key" build_server)/llama-server"

@@ -61,8 +61,7 @@ overlay() {  # a copy of .venv (hard links, seconds) whose libggml-cpu is the va
   local dir=$out/venv-$1 built variant=$1
   built=$(cached_build "ggml-cpu-$1" "llama-cpp-python $LCP
 cmake $(flags_of "$1"), target ggml-cpu
-$(compiler_key)
-recipe: $(declare -f build_variant | sha256sum | cut -c1-16)" build_variant)
+$(compiler_key)" build_variant)
   venv_overlay "$venv" "$dir"
   swap_lib "${site/#$venv/$dir}/llama_cpp/lib" "$(echo "$built"/lib/libggml-cpu.so.*)"
   echo "$dir"

@@ -14,7 +14,8 @@
 # the test split's prose: the one file of gensim's wheel that kvlite reads.
 # The check: `kvlite info`; the backend tests (pytest -m backend: parity with the torch twins,
 # kernels on the device, the cache's buffers against llama.cpp's state) on the tiny fixtures (not
-# the slow ones, whose models do not travel) with all layers and kvlite's kernels on the device; then eviction's speed and memory on random-weight GGUFs of real shapes written there
+# the slow ones, whose models do not travel) with all layers and kvlite's kernels on the device;
+# then eviction's speed and memory on random-weight GGUFs of real shapes written there
 # (scripts/bench_shapes.py); then, on CUDA, the 32K test stage's remaining cells (long-test-qwen-32768:
 # about 85 minutes a sample on 2 CPU cores, so it left results.py's CPU plan), into out/runs/, from the
 # records the tree's results-runs/ holds. Bring back out/runs/long-test-qwen-32768/samples.jsonl (the

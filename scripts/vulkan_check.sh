@@ -68,8 +68,7 @@ cmake $VULKAN_CMAKE, targets ggml ggml-vulkan
 $(compiler_key)
 glslc: $(glslc --version | head -n1)
 vulkan headers: $(grep -m1 '^#define VK_HEADER_VERSION ' /usr/include/vulkan/vulkan_core.h)
-$(sha256sum scripts/patches/ggml-vulkan-*.patch)
-recipe: $(declare -f build_vulkan | sha256sum | cut -c1-16)"
+$(sha256sum scripts/patches/ggml-vulkan-*.patch)"
 step "libggml and libggml-vulkan (cached; 4-6 minutes on 2 cores when the key is new)"
 built=$(cached_build vulkan "$key" build_vulkan)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -23,10 +24,10 @@ make_it() {
 """
 
 
-def cached(builds: pathlib.Path, key: str, how: str = "finish") -> subprocess.CompletedProcess:
+def cached(builds: pathlib.Path, key: str, how: str = "finish", recipe: str = RECIPE) -> subprocess.CompletedProcess:
     # as the scripts call it: set -e, then the folder read from a command substitution
     call = f'dir=$(cached_build thing "{key}" make_it)\necho "$dir"'
-    script = f'set -euo pipefail; . "{ROOT}/scripts/build_cache.sh"\n{RECIPE}\n{call}'
+    script = f'set -euo pipefail; . "{ROOT}/scripts/build_cache.sh"\n{recipe}\n{call}'
     env = dict(os.environ, KVLITE_BUILDS=str(builds), COUNT=str(builds.parent / "count"), HOW=how)
     return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
 
@@ -46,13 +47,21 @@ def test_a_build_is_reused_under_its_key_and_made_again_under_another(tmp_path):
     assert first.returncode == 0, first.stderr
     folder = pathlib.Path(first.stdout.strip())
     assert (folder / "out").read_text() == "whole\n"
-    assert (folder / "KEY").read_text() == "version 1\nflags -DX=ON\n"
+    key = (folder / "KEY").read_text().splitlines()
+    assert key[:2] == ["version 1", "flags -DX=ON"] and re.fullmatch("recipe: [0-9a-f]{16}", key[2]) and len(key) == 3
     assert oct(folder.stat().st_mode & 0o777) == "0o755"
     again = cached(builds, "version 1\nflags -DX=ON")
     assert again.stdout == first.stdout and runs(builds) == 1 and "building" not in again.stderr
     other = cached(builds, "version 1\nflags -DX=OFF")
     assert other.returncode == 0 and other.stdout != first.stdout and runs(builds) == 2
     assert len(finished(builds)) == 2
+
+
+def test_a_changed_recipe_is_a_new_key(tmp_path):
+    builds = tmp_path / "builds"
+    first = cached(builds, "k")
+    changed = cached(builds, "k", recipe=RECIPE.replace('echo whole > "$1/out"', 'echo whole, again > "$1/out"'))
+    assert first.returncode == changed.returncode == 0 and first.stdout != changed.stdout and runs(builds) == 2
 
 
 def test_a_build_that_fails_leaves_nothing(tmp_path):
