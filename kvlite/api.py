@@ -22,9 +22,11 @@ from .evict import asks_something, chat_ctx, evict_mode, make_room
 from .limits import check_int
 from .models import resolve_model
 from .policies import FullKV, Policy
-from .progress import progress_bar
+from .progress import reading
 from .runner import Generation, Runner
 from .settings import RunSettings, plan_context
+
+ROLES = ("system", "user", "assistant")  # of a conversation's messages
 
 
 def check_text(text: str, what: str) -> None:
@@ -34,6 +36,22 @@ def check_text(text: str, what: str) -> None:
         raise KvliteError(f"{what} is empty")
     if "\x00" in text:
         raise KvliteError(f"{what} contains a NUL character: remove it")
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KvliteError(f"{what} is not valid UTF-8 (byte {e.start}): convert it, e.g. with iconv") from None
+
+
+def read_text(path: str | pathlib.Path, what: str) -> str:
+    """A UTF-8 text file, or a one-line error that says what is wrong with it."""
+    try:
+        data = pathlib.Path(path).expanduser().read_bytes()
+    except OSError as e:
+        raise KvliteError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    return decode_utf8(data, f"{what} {path}")
 
 
 class Session:
@@ -87,7 +105,7 @@ class Session:
             tokens = self.model.tokenize(prompt, add_special=True, parse_special=False)
         runner = self._runner(self.settings.n_ctx, len(tokens), n_predict)
         try:
-            with progress_bar(len(tokens) if progress else 0, "prefill", min_total=max(1, 2 * runner.chunk)) as bar:
+            with reading(len(tokens) if progress else 0, runner.chunk + 1, evicting(runner, len(tokens), True)) as bar:
                 complete = runner.feed(tokens, progress=bar, interrupted=interrupted)
             out, stopped = [], "interrupted"
             if complete:
@@ -145,6 +163,7 @@ class Conversation:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.rendered = ""  # the text of the conversation the cache holds
         self.primed: tuple[int, ...] = ()  # first-turn tokens already read (start_from)
+        self.read, self.decode_rate = 0, 0.0  # the last turn's tokens read and its reply's tok/s (status)
 
     def start_from(self, snapshot: Snapshot) -> None:
         """Begin with the first tokens of the first turn already read, from a snapshot taken
@@ -185,7 +204,9 @@ class Conversation:
         question = asks_something(messages[-1]["content"])
         evict = make_room(runner, self.evict, self.cap, len(tokens), n_predict)
         start, evicted = cache.n_pos, cache.evicted
-        with progress_bar(len(tokens) if progress else 0, "prefill", min_total=2 * runner.chunk) as bar:
+        timings = dataclasses.replace(runner.timings)
+        self.read = 0
+        with reading(len(tokens) if progress else 0, runner.chunk + 1, evicting(runner, len(tokens), evict)) as bar:
             try:
                 complete = runner.feed(tokens, progress=bar, interrupted=interrupted, evict=evict, question=question)
             except KvliteError:
@@ -196,6 +217,9 @@ class Conversation:
             return "", "interrupted"
         self.last = self._describe(cache.evicted - evicted)
         out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
+        self.read = len(tokens)
+        self.decode_rate = _rate(runner.timings.decode_tokens - timings.decode_tokens,
+                                 runner.timings.decode_s - timings.decode_s)  # fmt: skip
         # llama.cpp's template engine reads C strings: a NUL (a tiny or broken model can write one)
         # would end the reply there when the next turn renders it, and the cache would be read again.
         reply = model.detokenize(out).replace("\x00", "")
@@ -234,7 +258,8 @@ class Conversation:
         budget = self.runner.policy.budget
         return (
             f"[{self.evict} | cells {c.n_resident}/{self.cap} | budget {budget if budget else 'none'} | "
-            f"evicted {c.evicted} | policy {self.runner.policy.name} | this turn: {self.last or '-'}]"
+            f"evicted {c.evicted} | policy {self.runner.policy.name} | this turn: "
+            + (f"read {self.read} tok, {self.last}, {self.decode_rate:.1f} tok/s]" if self.read else "-]")
         )
 
     def stats(self) -> str:
@@ -259,3 +284,15 @@ class Conversation:
         head = " … " if len(kept) and kept[0] > 0 else ""
         tail = " … " if len(kept) and kept[-1] < cache.n_pos - 1 else ""
         return head + text + tail
+
+
+def evicting(runner: Runner, n_new: int, evict: bool) -> str | None:
+    """What a progress line says runs once n_new tokens are read, when an eviction will (None: none)."""
+    policy = runner.policy
+    if not evict or policy.continuous or not policy.budget or runner.cache.n_resident + n_new <= policy.budget:
+        return None
+    return f"evicting with {policy.name}"
+
+
+def _rate(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else 0.0

@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(n_predict=256)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
+    p.add_argument("-f", "--file", action="append", metavar="FILE",
+                   help="read FILE as a message before the prompt appears (again for more, in order)")  # fmt: skip
+    p.add_argument("--load", default=None, metavar="NAME",
+                   help="continue a conversation saved with /save NAME (a name, or a path with a slash)")  # fmt: skip
+    p.set_defaults(policy=None)  # --load takes the saved one; else full
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
     _add_run_args(p)
@@ -258,6 +263,8 @@ def _backend_facts(n_gpu_layers: int | None, n_layer: int) -> dict:
 
 
 def _read_prompt(args) -> str:
+    from .api import decode_utf8, read_text
+
     if args.prompt is not None and args.file is not None:
         raise KvliteError("give the prompt with -p or -f, not both")
     if args.prompt is not None:
@@ -271,28 +278,12 @@ def _read_prompt(args) -> str:
     elif "stdin" in CLOSED:
         raise KvliteError("stdin is closed: give the prompt with -p TEXT or -f FILE")
     elif args.file == "-" or not sys.stdin.isatty():
-        text = _decode(sys.stdin.buffer.read(), "the prompt on stdin")
+        text = decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     else:
         raise KvliteError("no prompt: use -p TEXT, -f FILE or pipe it on stdin")
     if not text.strip():
         raise KvliteError("the prompt is empty")
     return text
-
-
-def _decode(data: bytes, what: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise KvliteError(f"{what} is not valid UTF-8 (byte {e.start}): convert it, e.g. with iconv") from None
-
-
-def read_text(path: str | pathlib.Path, what: str) -> str:
-    """A UTF-8 text file, or a one-line error that says what is wrong with it."""
-    try:
-        data = pathlib.Path(path).read_bytes()
-    except OSError as e:
-        raise KvliteError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    return _decode(data, f"{what} {path}")
 
 
 def cmd_generate(args) -> int:
@@ -328,14 +319,34 @@ def _summary(g) -> str:
 
 
 def cmd_chat(args) -> int:
-    from .chat import run_chat
+    from .chat import read_document, read_saved, run_chat
+    from .models import resolve_model
 
     needs_stdout("the replies")
     if "stdin" in CLOSED:
         raise KvliteError("stdin is closed: kvlite chat reads your messages from it")
-    policy, settings = _policy_from_args(args), _settings_from_args(args)
+    files = [(path, read_document(path)) for path in args.file or ()]
+    saved = None
+    if args.load is not None:
+        given = [flag for flag, value in _policy_flags(args) if value is not None]
+        if given:
+            raise KvliteError(f"--load resumes the conversation under the policy it was saved with: drop "
+                              f"{', '.join(given)}")  # fmt: skip
+        saved = (args.load, read_saved(args.load, resolve_model(args.model)))
+    args.policy = args.policy or "full"
+    policy = saved[1].policy() if saved else _policy_from_args(args)
+    settings = _settings_from_args(args)
     _note_ctx(settings.n_ctx)
-    return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict)
+    return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict,
+                    files=files, saved=saved)  # fmt: skip
+
+
+def _policy_flags(args) -> list[tuple[str, object]]:
+    """The policy's flags and their values (None: not given)."""
+    from .policies import ALL_PARAMS
+
+    flags = [("--policy", args.policy), ("--cache", args.cache), ("--evict", getattr(args, "evict", None))]
+    return flags + [(prm.flag, getattr(args, name)) for name, prm in ALL_PARAMS.items()]
 
 
 def cmd_serve(args) -> int:

@@ -175,6 +175,18 @@ CASES = {
     "stdout closed, info": (["info", "-m", TINY], None, CLOSE_STDOUT, "stdout is closed"),
     "stdin closed, generate": (["generate", "-m", TINY], None, CLOSE_STDIN, "stdin is closed"),
     "stdin closed, chat": (["chat", "-m", TINY], None, CLOSE_STDIN, "stdin is closed"),
+    # issue 58: documents and saved conversations, refused before the model loads
+    "chat -f not utf-8": (["chat", "-m", TINY, "-f", "{bad}"], None, None, "is not valid UTF-8 (byte 12)"),
+    "chat -f missing": (["chat", "-m", TINY, "-f", "{missing}"], None, None, "cannot read file"),
+    "chat -f blank": (["chat", "-m", TINY, "-f", "{empty}"], None, None, "is empty"),
+    "chat --load missing": (["chat", "-m", TINY, "--load", "{missing}"], None, None, "no saved conversation"),
+    "chat --load not a slot file": (["chat", "-m", TINY, "--load", "{a_file}"], None, None, "not a kvlite slot file"),
+    "chat --load --policy": (
+        ["chat", "-m", TINY, "--load", "{a_file}", "--policy", "snapkv"],
+        None,
+        None,
+        "--load resumes the conversation under the policy it was saved with: drop --policy",
+    ),  # fmt: skip
     # crafted headers
     "head_count 0, info": (["info", "-m", "{head0}"], None, None, "head_count is 0: it must be a positive"),
     "head_count 0, serve": (["serve", "-m", "{head0}", "--port", "{port}"], None, None, "head_count is 0"),

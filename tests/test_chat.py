@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import threading
@@ -18,6 +19,8 @@ from kvlite.engine import Model
 from kvlite.errors import KvliteError
 from kvlite.policies import make_policy
 from kvlite.runner import Runner, RunSettings
+
+DOC = pathlib.Path(__file__).parent.parent / "docs" / "needle.txt"
 
 
 def consistent(runner: Runner) -> bool:
@@ -204,3 +207,66 @@ def test_chat_default_mode_keeps_what_the_second_question_needs():
     assert "pier 7183" in kept, kept
     replies = proc.stdout.strip().splitlines()
     assert "54554" in replies[-2] and replies[-1].strip(), replies[-2:]
+
+
+def chat(*args: str, stdin: str, data: pathlib.Path) -> subprocess.CompletedProcess:
+    """`kvlite chat ARGS` reading stdin's lines, its saved conversations under data."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_DATA_HOME=str(data))
+    return subprocess.run([KVLITE, "chat", *args], input=stdin, capture_output=True, text=True, timeout=600, env=env,
+                          cwd=data)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_saved_conversation_continues_in_a_new_process_as_if_unbroken(tmp_path):
+    """The document read with -f into 128 cells, /save, then a question: the unbroken answer. A new
+    process --load-s it and is asked the same question: the same words, at temperature 0, from
+    the restored cells (the compressed ones, under the saved policy and cap). The same file under
+    another cache type, or another model, is a one-line refusal."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(DOC.read_text().rsplit("What is the locker code", 1)[0])
+    question = "Which code opens the locker of Orla Bren?\n"
+    unbroken = chat("-f", str(doc), "--policy", "echokv", "--budget", "128", "--evict", "eager", "-c", "2048",
+                    "-n", "24", stdin="/save s1\n" + question, data=tmp_path)  # fmt: skip
+    assert unbroken.returncode == 0, unbroken.stderr
+    saved = tmp_path / "kvlite" / "chats" / "s1"
+    assert "reading" not in unbroken.stderr and "evicting with" not in unbroken.stderr  # no bar off a terminal
+    cells = re.search(r"\[saved 2 messages, (\d+) cells to", unbroken.stderr)
+    assert cells and saved.is_file(), unbroken.stderr
+    resumed = chat("--load", "s1", "-n", "24", stdin=question, data=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    loaded = f"[loaded s1: 2 messages, {cells.group(1)} cells]"
+    assert loaded in resumed.stderr and "budget 128" in resumed.stderr, resumed.stderr
+    reply = resumed.stdout.strip()
+    assert reply and unbroken.stdout.rstrip().endswith(reply), (unbroken.stdout, reply)
+    status = [line for line in resumed.stderr.splitlines() if line.startswith("[eager |")]
+    assert "/2048 |" in status[-1], status  # the saved cap, not chat's default 4096
+    other = chat("--load", "s1", "-ctk", "q8_0", "-ctv", "q8_0", stdin=question, data=tmp_path)
+    assert other.returncode == 1 and "holds a -ctk f16 -ctv f16" in other.stderr, other.stderr
+    assert "Traceback" not in other.stderr and not other.stdout
+
+
+def test_read_a_file_with_a_question_as_one_message(tiny_paths, tmp_path):
+    """/read FILE question: the file and the question in one turn; a file that cannot be read is
+    one line, and the conversation goes on as it was."""
+    doc = tmp_path / "my notes.txt"
+    doc.write_text("alpha beta\ngamma delta\n")
+    script = f'/read "{doc}" and the question?\n/read {tmp_path}/none.txt\n/cache\n'
+    proc = chat("-m", tiny_paths["llama"], "-n", "2", stdin=script, data=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "[read " in proc.stderr and "2 lines" not in proc.stderr  # the question is a line of the message
+    assert "kvlite: error: cannot read file" in proc.stderr, proc.stderr
+    kept = proc.stderr.split("[cache] ", 1)[1]
+    assert re.search(r"user\n ?alpha beta\ngamma delta\n\nand the question\? ?<\|im_end\|>", kept), kept
+    assert proc.stderr.count("| cells") == 1, proc.stderr
+
+
+def test_a_quoted_block_from_a_pipe_is_one_message(tiny_paths, tmp_path):
+    """From a pipe a line is a message, and a triple-quoted block one message of all its lines; a block the
+    input ends inside is still sent, with a note, and nothing is cut."""
+    script = 'one line\n"""first\nsecond\n"""\n/cache\n"""never\nclosed\n'
+    proc = chat("-m", tiny_paths["llama"], "-n", "2", stdin=script, data=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    kept = proc.stderr.split("[cache] ", 1)[1]
+    assert re.search(r"user\n ?first\nsecond ?<\|im_end\|>", kept), kept
+    assert 'the input ended inside a """ block: its 2 lines are sent as one message' in proc.stderr
+    assert proc.stderr.count("| cells") == 3, proc.stderr

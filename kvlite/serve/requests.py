@@ -9,13 +9,12 @@ import math
 import re
 from typing import Any
 
-from ..api import check_text
+from ..api import ROLES, check_text
 from ..engine import SamplingParams
 from ..errors import KvliteError
 from ..policies import ALL_PARAMS, Policy, check_budget, make_policy
 from .config import ServeConfig
 
-ROLES = ("system", "user", "assistant")
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 SLOT_ACTIONS = ("save", "restore", "erase")

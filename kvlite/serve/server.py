@@ -17,21 +17,12 @@ from ..api import Conversation, Session
 from ..engine import Model, Pool
 from ..errors import KvliteError
 from ..evict import chat_ctx, evict_mode
-from ..policies import make_policy
 from ..settings import RunSettings, plan_context
 from .admission import Admission
 from .config import ServeConfig
 from .metrics import Metrics
 from .requests import ApiError, Ask, parse_filename
-from .slots import (
-    Slot,
-    Slots,
-    cache_layout,
-    describe_layout,
-    read_slot_file,
-    slot_key,
-    write_slot_file,  # fmt: skip
-)
+from .slots import Slot, Slots, read_slot_file, slot_key, write_slot_file
 
 
 def first_stop(text: str, stops: list[str]) -> int:
@@ -378,19 +369,16 @@ class Server:
         with self._hold(slot):
             conv = None
             try:
-                policy = make_policy(meta["policy"], **meta["params"])
+                policy = saved.policy()
                 with self.room:
                     conv = self._conversation(policy, meta["evict"])
-                here = cache_layout(conv.runner.ctx)
-                if meta["cache"] != here:  # llama.cpp would load a rotated cache into an unrotated one without a word
-                    raise ApiError(400, f"{path.name} holds a {describe_layout(meta['cache'])} cache; this server's "
-                                   f"is {describe_layout(here)}")  # fmt: skip
+                saved.check_layout(conv, path.name)
                 snap = saved.snapshot(conv.runner.cache.hidden_layer)
                 if self.pool is not None:  # its cells, beside the conversation it replaces, others parked
                     with self.room:
                         self._admit(snap.cells, None)
                         self.reserved[slot.id] += snap.cells
-                conv.resume(snap, meta["messages"], meta["rendered"], meta["evicted"])
+                saved.restore(conv, snap)
             except BaseException as e:
                 if conv is not None:
                     with self.room:

@@ -1,25 +1,20 @@
-"""The server's slots: which one a request's messages continue, the least recently used one to
-give up, and the slot-file codec (llama.cpp's state blob of a conversation's sequence, as a
-cache.Snapshot, and what kvlite knows beside it)."""
+"""The server's slots: which one a request's messages continue, and the least recently used one to
+give up. Their files are kvlite.slotfile's."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
-import zipfile
 from collections.abc import Callable
 
-import numpy as np
-
+from .. import slotfile
 from ..api import Conversation
 from ..cache import Snapshot
 from ..engine import Model
-from ..policies import ALL_PARAMS, Policy
-from .requests import ROLES, ApiError
-
-SLOT_FORMAT = 1  # of the files /slots/{id}?action=save writes
+from ..errors import KvliteError
+from ..policies import Policy
+from .requests import ApiError
 
 
 @dataclasses.dataclass
@@ -158,96 +153,16 @@ class Slots:
             s.close()
 
 
-# -- slot files ---------------------------------------------------------------------------------
-# what a slot file's metadata holds: a field of another type is a file not written by kvlite
-SLOT_META = {"model": str, "model_bytes": int, "policy": str, "params": dict, "evict": str, "messages": list,
-             "rendered": str, "conversation_id": (str, type(None)), "evicted": int}  # fmt: skip
-_F16_LAYOUT = {"type_k": "f16", "type_v": "f16", "rotations": [0, 0]}  # slot files from before cache types
-
-
-@dataclasses.dataclass
-class SlotFile:
-    """What a slot file holds: the conversation's metadata and the sequence's arrays."""
-
-    meta: dict
-    arrays: dict
-
-    def snapshot(self, hidden_layer: int | None) -> Snapshot:
-        """The sequence, for a cache that keeps hidden states of hidden_layer (None: none)."""
-        a = self.arrays
-        return Snapshot(a["blob"].tobytes(), tuple(int(t) for t in a["tokens"]), a["live"], a.get("hidden"),
-                        hidden_layer if "hidden" in a else None)  # fmt: skip
-
-
-def policy_params(policy: Policy) -> dict:
-    """The policy's declared parameters, as make_policy takes them."""
-    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name in ALL_PARAMS}
-
-
-def cache_layout(ctx) -> dict:
-    """What a state blob's bytes mean: the cache types and llama.cpp's rotation of them."""
-    return {"type_k": ctx.type_k, "type_v": ctx.type_v, "rotations": list(ctx.rotations)}
-
-
-def describe_layout(layout) -> str:
-    if not isinstance(layout, dict):
-        return "unknown"
-    rot = "rotated" if any(layout.get("rotations", [])) else "unrotated"
-    return f"-ctk {layout.get('type_k')} -ctv {layout.get('type_v')} ({rot})"
-
-
+# -- slot files (kvlite.slotfile's codec; its errors answered as HTTP) ---------------------------
 def write_slot_file(path: pathlib.Path, slot: Slot, model: Model) -> int:
-    """The slot's conversation to a file, written whole and then renamed (a full disk leaves no half
-    file). Returns how many tokens it saved."""
-    conv = slot.conversation
-    runner = conv.runner
-    snap, evicted = slot.parked or (runner.cache.snapshot(), runner.cache.evicted)
-    meta = {"format": SLOT_FORMAT, "model": model.path.name, "model_bytes": model.path.stat().st_size,
-            "policy": runner.policy.name, "params": policy_params(runner.policy), "evict": conv.evict,
-            "messages": conv.messages, "rendered": conv.rendered, "conversation_id": slot.conversation_id,
-            "evicted": evicted, "cache": cache_layout(runner.ctx)}  # fmt: skip
-    arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), "live": snap.live,
-              "tokens": np.asarray(snap.tokens, np.int32), "blob": np.frombuffer(snap.blob, np.uint8)}  # fmt: skip
-    if snap.hidden is not None:
-        arrays["hidden"] = snap.hidden
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ApiError(500, f"cannot write {path}: {e.strerror or e}", kind="server_error") from None
-    return len(snap.tokens)
+        return slotfile.write_slot_file(path, slot.conversation, model, slot.parked, slot.conversation_id)
+    except KvliteError as e:
+        raise ApiError(500, str(e), kind="server_error") from None
 
 
-def read_slot_file(path: pathlib.Path, where: str, model: Model) -> SlotFile:
-    """A slot file written by write_slot_file for this model, checked field by field (where: the
-    folder, as the server was told it)."""
+def read_slot_file(path: pathlib.Path, where: str, model: Model) -> slotfile.SlotFile:
     try:
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]))
-            arrays = {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise ApiError(400, f"no slot file {path.name} in {where}") from None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
-        raise ApiError(400, f"{path.name} is not a kvlite slot file ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != SLOT_FORMAT:
-        raise ApiError(400, f"{path.name} is not a kvlite slot file of format {SLOT_FORMAT}")
-    _check_meta(path.name, meta)
-    if (meta["model"], meta["model_bytes"]) != (model.path.name, model.path.stat().st_size):
-        raise ApiError(400, f"{path.name} was saved from {meta['model']}, not {model.path.name}")
-    meta.setdefault("cache", _F16_LAYOUT)
-    return SlotFile(meta, arrays)
-
-
-def _check_meta(name: str, meta: dict) -> None:
-    for key, kind in SLOT_META.items():
-        value = meta.get(key)
-        if key not in meta or not isinstance(value, kind) or isinstance(value, bool):
-            raise ApiError(400, f"{name} is not a kvlite slot file: its '{key}' is missing or malformed")
-    if meta["evicted"] < 0 or meta["model_bytes"] < 0:
-        raise ApiError(400, f"{name} is not a kvlite slot file: a negative count")
-    for m in meta["messages"]:
-        if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            raise ApiError(400, f"{name} is not a kvlite slot file: a message is not a role and a text")
+        return slotfile.read_slot_file(path, where, model.path)
+    except KvliteError as e:
+        raise ApiError(400, str(e)) from None
