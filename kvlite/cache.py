@@ -58,6 +58,11 @@ class Snapshot:
         """Cells the sequence takes once restored (its resident positions)."""
         return int(self.live.sum())
 
+    @property
+    def nbytes(self) -> int:
+        """Host memory it holds: the cells' bytes in the cache's types, and the hidden states."""
+        return len(self.blob) + (self.hidden.nbytes if self.hidden is not None else 0) + self.live.nbytes
+
 
 class CachedKV:
     """The live sequence's keys and values as llama.cpp cached them (post-RoPE keys), read from its

@@ -26,23 +26,32 @@ def test_gpu_check_usage(args):
 
 
 def test_serve_bench_shows_llama_server_beside_either_eviction_mode(tmp_path):
-    """--plot-only reads the rows there: llama-server's whatever kvlite's --evict, kvlite's of this one."""
+    """--plot-only reads the rows there: llama-server-full's whatever kvlite's --evict, kvlite's and
+    llama-server-ram's (its RAM cache is kvlite's parked memory) of this one; and the ratio of
+    kvlite's tok/s to llama-server-ram's at each N."""
     import json
     import sys
 
-    common = {"cells": 4096, "budget": 256, "threads": 2, "started": True, "turns": 3, "failed_turns": 0,
-              "accuracy": 0.5, "tok_s": 1.0, "latency_p50_s": 1.0, "latency_p95_s": 2.0,
-              "peak_rss_mb": 100.0}  # fmt: skip
+    common = {"cells": 4096, "budget": 256, "threads": 2, "schema": 2, "started": True, "turns": 3,
+              "failed_turns": 0, "accuracy": 0.5, "tok_s": 1.0, "ttft_p50_s": 0.5, "ttft_p95_s": 0.9,
+              "latency_p50_s": 1.0, "latency_p95_s": 2.0, "peak_rss_mb": 100.0,
+              "first_prompt_tokens": [2100]}  # fmt: skip
     rows = [{"config": "llama-server-full", "clients": 1, "evict": "eager", **common},
-            {"config": "kvlite-laq", "clients": 1, "evict": "eager", **common, "tok_s": 7.0},
-            {"config": "kvlite-laq", "clients": 1, "evict": "lazy", **common, "tok_s": 3.0}]  # fmt: skip
+            {"config": "llama-server-ram", "clients": 1, "evict": "lazy", **common, "tok_s": 2.0, "cache_ram_mib": 7},
+            {"config": "llama-server-ram", "clients": 1, "evict": "eager", **common, "tok_s": 9.0, "cache_ram_mib": 1},
+            {"config": "kvlite-laq", "clients": 1, "evict": "eager", **common, "tok_s": 7.0, "parked_mib": 0.0},
+            {"config": "kvlite-laq", "clients": 1, "evict": "lazy", **common, "tok_s": 3.0, "parked_mib": 6.2},
+            {"config": "kvlite-laq", "clients": 2, "evict": "lazy", **{**common, "schema": 1}}]  # fmt: skip
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve_vs_llama_server.py"), "--plot-only",
                            "--evict", "lazy", "-t", "2", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    table = proc.stdout.splitlines()[1:]
-    assert [line.split()[:3] for line in table] == [["llama-server-full", "1", "1.00"], ["kvlite-laq", "1", "3.00"]]
+    lines = proc.stdout.splitlines()[1:]
+    assert [line.split()[:3] for line in lines[:3]] == [["kvlite-laq", "1", "3.00"], ["llama-server-ram", "1", "2.00"],
+                                                        ["llama-server-full", "1", "1.00"]]  # fmt: skip
+    assert lines[0].split()[8] == "6.2" and lines[1].split()[8] == "7.0"  # host memory: parked, the RAM cache
+    assert lines[3:] == ["N=1   kvlite-laq tok/s / llama-server-ram's: 1.50x"], lines
     assert (tmp_path / "serve_vs_llama_server.png").stat().st_size > 0
 
 

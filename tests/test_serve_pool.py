@@ -99,6 +99,18 @@ def test_a_pool_parks_the_least_recently_used_and_answers_as_separate_contexts_d
         assert server.pool.ctx.cells_in_use() == sum(s["resident_cells"] for s in state)
         metrics = httpx.get(live.url + "/metrics", headers=AUTH).text
         assert f"kvlite_conversations_parked_total {server.metrics.parked}" in metrics
+        # the parked caches' host memory: their cells in f32 (SAME: 3 layers x 2 KV heads x 16 dims x K and
+        # V x 4 bytes), beside llama.cpp's state headers and kvlite's bookkeeping
+        parked = {s.id: s.parked[0].cells for s in server.slots if s.parked}
+        for s in state:
+            if s["id"] in parked:
+                assert 768 * parked[s["id"]] <= s["parked_bytes"] <= 768 * parked[s["id"]] + 16384, s
+        total = sum(s["parked_bytes"] for s in state)
+        assert f"kvlite_parked_bytes {total}\n" in metrics and 0 < total <= server.metrics.parked_bytes_peak
+        seconds = {k: float(v) for k, v in (line.split() for line in metrics.splitlines() if "_seconds_total" in line
+                                                  and not line.startswith("#"))}  # fmt: skip
+        assert 0 == seconds["kvlite_evict_seconds_total"] < seconds["kvlite_prefill_seconds_total"]  # full: no eviction
+        assert seconds["kvlite_decode_seconds_total"] > 0
     finally:
         live.stop()
 

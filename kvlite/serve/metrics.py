@@ -12,8 +12,9 @@ class Metrics:
         self.errors = 0
         self.rejected = 0
         self.prompt_tokens = self.prefilled_tokens = self.completion_tokens = 0
-        self.prefill_s = self.decode_s = 0.0
+        self.prefill_s = self.decode_s = self.evict_s = 0.0
         self.parked = self.restored = 0  # conversations set aside in a pool, and brought back
+        self.parked_bytes_peak = 0  # the most host memory the parked caches held at once
         self.waited = 0  # turns that waited for a pool's room while others ran
 
     def count(self, endpoint: str) -> None:
@@ -24,9 +25,11 @@ class Metrics:
         with self.lock:
             self.rejected += 1
 
-    def park(self) -> None:
+    def park(self, parked_bytes: int) -> None:
+        """A conversation parked; parked_bytes: what every parked cache holds now."""
         with self.lock:
             self.parked += 1
+            self.parked_bytes_peak = max(self.parked_bytes_peak, parked_bytes)
 
     def restore(self) -> None:
         with self.lock:
@@ -49,6 +52,7 @@ class Metrics:
             self.completion_tokens += completion_tokens
             self.prefill_s += t["prefill_s"]
             self.decode_s += t["decode_s"]
+            self.evict_s += t["evict_s"]
 
     def prometheus(self, waiting: int, slots: list[dict], steps: tuple[int, int] = (0, 0)) -> str:
         """The counters, then per slot (slots: their /slots states) its cells, budget and evictions.
@@ -70,10 +74,19 @@ class Metrics:
                  [("", self.prefilled_tokens / self.prefill_s if self.prefill_s else 0)]),
                 ("decode_tokens_per_second", "gauge", "Decode throughput over all requests.",
                  [("", self.completion_tokens / self.decode_s if self.decode_s else 0)]),
+                ("prefill_seconds_total", "counter", "Time requests spent reading their prompts, their evictions "
+                 "included.", [("", self.prefill_s)]),
+                ("evict_seconds_total", "counter", "Time requests spent evicting (scoring, pruning, compacting).",
+                 [("", self.evict_s)]),
+                ("decode_seconds_total", "counter", "Time requests spent generating.", [("", self.decode_s)]),
                 ("conversations_parked_total", "counter", "Conversations whose cache a pool set aside in host "
                  "memory for another's turn (--kv-cells).", [("", self.parked)]),
                 ("conversations_restored_total", "counter", "Parked conversations restored for their next turn.",
                  [("", self.restored)]),
+                ("parked_bytes", "gauge", "Host memory of the parked conversations' caches.",
+                 [("", sum(slot["parked_bytes"] for slot in slots))]),
+                ("parked_bytes_peak", "gauge", "The most host memory the parked caches held at once.",
+                 [("", self.parked_bytes_peak)]),
                 ("turns_waited_total", "counter", "Turns that waited for a pool's cells held by running turns.",
                  [("", self.waited)]),
                 ("decode_steps_total", "counter", "llama_decode calls of a pool (--kv-cells).", [("", steps[0])]),

@@ -195,7 +195,7 @@ class Server:
                 other = parkable.pop(0)
                 room += other.resident
                 other.park()
-                self.metrics.park()
+                self.metrics.park(sum(s.parked[0].nbytes for s in self.slots if s.parked))
             if room >= need:
                 break
             if not waited:

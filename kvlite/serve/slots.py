@@ -61,6 +61,7 @@ class Slot:
             "id": self.id,
             "is_processing": self.busy,
             "parked": self.parked is not None,
+            "parked_bytes": self.parked[0].nbytes if self.parked else 0,
             "conversation_id": self.conversation_id,
             "policy": repr(conv.runner.policy) if conv else None,
             "budget": conv.runner.policy.budget if conv else None,
