@@ -288,10 +288,9 @@ class Conversation:
 
 def evicting(runner: Runner, n_new: int, evict: bool) -> str | None:
     """What a progress line says runs once n_new tokens are read, when an eviction will (None: none)."""
-    policy = runner.policy
-    if not evict or policy.continuous or not policy.budget or runner.cache.n_resident + n_new <= policy.budget:
+    if not evict or runner.policy.continuous or not runner.over_budget(n_new):
         return None
-    return f"evicting with {policy.name}"
+    return f"evicting with {runner.policy.name}"
 
 
 def _rate(n: int, seconds: float) -> float:

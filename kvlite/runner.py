@@ -189,9 +189,14 @@ class Runner:
         return Observation(self.cache, self.model, self.observed, ctx=self.ctx, capture=self.capture,
                            question=self.question)  # fmt: skip
 
+    def over_budget(self, n_new: int = 0) -> bool:
+        """Whether the cache, with n_new more cells, holds more than the policy's budget."""
+        budget = self.policy.budget
+        return budget is not None and self.cache.n_resident + n_new > budget
+
     def _evict_to_budget(self) -> Eviction | None:
         budget = self.policy.budget
-        if budget is None or self.cache.n_resident <= budget:
+        if not self.over_budget():
             return None
         t0 = time.perf_counter()
         obs = self.observation()

@@ -195,7 +195,7 @@ class Server:
                 other = parkable.pop(0)
                 room += other.resident
                 other.park()
-                self.metrics.park(sum(s.parked[0].nbytes for s in self.slots if s.parked))
+                self.metrics.park(sum(s.parked_bytes for s in self.slots))
             if room >= need:
                 break
             if not waited:

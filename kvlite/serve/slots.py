@@ -38,6 +38,11 @@ class Slot:
         """Cells the slot holds in the context (none while parked)."""
         return self.conversation.runner.cache.n_cells if self.conversation and not self.parked else 0
 
+    @property
+    def parked_bytes(self) -> int:
+        """Host memory its parked cache holds (0 when it is not parked)."""
+        return self.parked[0].nbytes if self.parked else 0
+
     def park(self) -> None:
         cache = self.conversation.runner.cache
         self.parked = (cache.snapshot(), cache.evicted)
@@ -61,7 +66,7 @@ class Slot:
             "id": self.id,
             "is_processing": self.busy,
             "parked": self.parked is not None,
-            "parked_bytes": self.parked[0].nbytes if self.parked else 0,
+            "parked_bytes": self.parked_bytes,
             "conversation_id": self.conversation_id,
             "policy": repr(conv.runner.policy) if conv else None,
             "budget": conv.runner.policy.budget if conv else None,
