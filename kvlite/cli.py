@@ -139,10 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--slots", type=int, default=4, help="conversations whose compressed cache is kept (LRU)")
-    p.add_argument("--kv-cells", type=int, default=None, metavar="N",
-                   help="one pool of N KV cells that every slot's conversation shares (each then holds its budget, "
-                   "and -c is a conversation's cap); conversations that do not fit wait in host memory. Default: "
-                   "each slot a context of -c cells")  # fmt: skip
+    p.add_argument("--kv-cells", type=int, default=0, metavar="N",
+                   help="one pool of N KV cells that every slot's conversation shares, their turns batched "
+                   "(each holds its compressed cache, up to -c); idle conversations wait in host memory. "
+                   "Default 0: a context a slot, one request at a time (faster on a CPU: docs/serve.md)")  # fmt: skip
     p.add_argument("--queue", type=int, default=16, help="requests that may wait; more get a 503 with Retry-After")
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)

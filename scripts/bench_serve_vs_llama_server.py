@@ -4,8 +4,8 @@ document. The documents are the test split's `chat` task: the first turn gives t
 states four codes once; turns 2 and 3 each ask for one of them. Swept over N, for each configuration:
 
   kvlite-echokv       kvlite serve --slots N --kv-cells CELLS, echokv at BUDGET (the server's
-  kvlite-laq          eviction mode unless --evict): conversations that do not fit are parked in
-                      host memory, compressed
+  kvlite-laq          eviction mode unless --evict): the idle conversations are parked in host
+                      memory at every turn, compressed
   llama-server-ram    llama-server -np N -c CELLS -kvu --cache-ram R --cache-idle-slots: one cache
                       of the same cells shared by the slots, idle slots saved whole to a host-RAM
                       prompt cache of R MiB, R the most host memory kvlite's parked caches took

@@ -116,8 +116,8 @@ def serve(cfg: ServeConfig) -> int:
 
     sock = _bind(cfg.host, cfg.port)
     threading.Thread(target=watch_load, daemon=True).start()
-    pool = f", one pool of {cfg.kv_cells} KV cells" if cfg.kv_cells else ""
-    print(f"kvlite serve: http://{cfg.host}:{cfg.port}/v1 (policy {cfg.policy}, {cfg.slots} slots{pool})", flush=True)
+    pool = f"one pool of {cfg.kv_cells} KV cells" if cfg.kv_cells else "a context a slot, one request at a time"
+    print(f"kvlite serve: http://{cfg.host}:{cfg.port}/v1 (policy {cfg.policy}, {cfg.slots} slots, {pool})", flush=True)
     # uvicorn shuts down gracefully on Ctrl-C, then raises it again for whoever else wants it
     with contextlib.suppress(KeyboardInterrupt):
         uv.run(sockets=[sock])

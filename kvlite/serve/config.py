@@ -26,9 +26,9 @@ class ServeConfig:
     n_predict: int = 256  # max_tokens when a request gives none
     max_tokens: int = 4096  # the most a request may ask for
     slots: int = 4
-    # One pool of this many KV cells shared by every slot's conversation (issue 31); None: each slot
-    # a context of its own (-c cells, allocated up front)
-    kv_cells: int | None = None
+    # One pool of this many KV cells shared by every slot's conversation, their turns batched (issue
+    # 31); 0: a context a slot, one request at a time, the default (docs/serve.md, "The default")
+    kv_cells: int = 0
     queue: int = 16  # requests waiting beyond the one running; more get a 503
     api_key: str | None = None
     max_body: int = 8 << 20  # bytes of a request body
@@ -40,10 +40,10 @@ class ServeConfig:
     def __post_init__(self):
         if self.slots < 1:
             raise KvliteError(f"--slots must be at least 1, got {self.slots}")
-        if self.kv_cells is not None:
+        check_int("--kv-cells", self.kv_cells, 0)
+        if self.kv_cells:
             from ..engine import MAX_LANES
 
-            check_int("--kv-cells", self.kv_cells, 1)
             if 2 * self.slots > MAX_LANES:  # two lanes a slot (Server._make_pool)
                 raise KvliteError(f"--slots with --kv-cells must be at most {MAX_LANES // 2}, got {self.slots}")
         if self.queue < 0:

@@ -150,10 +150,10 @@ class Server:
             self.load_error = f"the model could not be loaded ({type(e).__name__}: {e})"
 
     def _make_pool(self) -> Pool | None:
-        """--kv-cells: the one context every slot's conversation shares. Two lanes a slot: one for its
-        conversation, one for what its worker may run beside (a completion, or a slot file's
+        """--kv-cells: the one context every slot's conversation shares (0: none). Two lanes a slot: one
+        for its conversation, one for what its worker may run beside (a completion, or a slot file's
         conversation, made before the one it replaces is let go)."""
-        if self.cfg.kv_cells is None:
+        if not self.cfg.kv_cells:
             return None
         s = self.cfg.settings
         return Pool(self.model, self.cfg.kv_cells, 2 * self.cfg.slots, n_batch=s.chunk, n_threads=s.n_threads,
@@ -182,21 +182,19 @@ class Server:
 
     def _admit(self, need: int, slot: Slot | None) -> None:
         """Wait (holding self.room) until `need` of the pool's cells are the turn's: the turns running
-        keep what they reserved, and the other conversations are parked in host memory, least
-        recently used first, as far as it takes (slot: the turn's own, which stays; None: any may
-        go). Then the slot's own conversation, if parked, is restored. A turn that needs more than
-        the pool minus the running turns waits for them to end; each fits alone (Server._conversation)."""
+        keep what they reserved, and every other conversation is parked in host memory (slot: the
+        turn's own, which stays; None: all may go). Idle ones go even when there is room, as
+        llama-server's --cache-idle-slots does: attention spans the pool up to its highest cell in
+        use, so their cells would slow every decode of the running turns (docs/serve.md, "Idle
+        conversations leave the pool"). Then the slot's own conversation, if parked, is restored. A
+        turn that needs more than the pool minus the running turns waits for them to end; each fits
+        alone (Server._conversation)."""
         waited = False
         while True:
-            others = [s for s in self.slots if s is not slot and s.id not in self.reserved]
-            room = self.pool.ctx.n_ctx - sum(self.reserved.values()) - sum(s.resident for s in others)
-            parkable = sorted((s for s in others if s.resident), key=lambda s: s.last_used)
-            while room < need and parkable:
-                other = parkable.pop(0)
-                room += other.resident
-                other.park()
-                self.metrics.park(sum(s.parked_bytes for s in self.slots))
-            if room >= need:
+            for other in self.slots:
+                if other is not slot and other.id not in self.reserved and other.resident:
+                    self._park(other)
+            if self.pool.ctx.n_ctx - sum(self.reserved.values()) >= need:
                 break
             if not waited:
                 waited = True
@@ -205,6 +203,10 @@ class Server:
         if slot is not None and slot.parked:
             slot.unpark()
             self.metrics.restore()
+
+    def _park(self, slot: Slot) -> None:
+        slot.park()
+        self.metrics.park(sum(s.parked_bytes for s in self.slots))
 
     @contextlib.contextmanager
     def _hold(self, slot: Slot) -> Iterator[None]:
