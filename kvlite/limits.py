@@ -27,6 +27,12 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = INT32_MAX) -> int
     return value
 
 
+def kind_of(value: object) -> str:
+    """How an error names a JSON value of the wrong type: its type, or the value itself if short."""
+    kinds = {dict: "an object", list: "a list", type(None): "null", bool: "a boolean"}
+    return kinds.get(type(value)) or (repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}")
+
+
 def check_pool_kernel(name: str, value: int) -> None:
     """A max-pool width (--pool-kernel, attn_pool's pool_kernel): odd, so that the window is centred
     on its cell, or 0 / 1 for none. The policy parameters' `odd` declaration and the native kernel's

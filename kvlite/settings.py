@@ -39,6 +39,12 @@ class RunSettings:
         object.__setattr__(self, "flash_attn", check_types(self.type_k, self.type_v, self.flash_attn))
 
 
+def check_budget_fits(policy: Policy, n_ctx: int, flag: str = "--budget") -> None:
+    """A budget must leave the context room beside it (n_ctx 0: as needed, anything fits)."""
+    if policy.budget is not None and n_ctx and policy.budget >= n_ctx:
+        raise KvliteError(f"{flag} {policy.budget} does not fit in the context (-c {n_ctx}): lower it or raise -c")
+
+
 def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chunk: int) -> tuple[int, int]:
     """(context cells, prefill chunk) for a policy.
 
@@ -49,8 +55,7 @@ def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chun
     if 0 < n_ctx < MIN_CTX:
         raise KvliteError(f"-c {n_ctx}: llama.cpp allocates at least {MIN_CTX} cells; use -c 0 (as needed) or "
                           f"-c {MIN_CTX} or more, and --budget to keep fewer")  # fmt: skip
-    if policy.budget is not None and n_ctx and policy.budget >= n_ctx:
-        raise KvliteError(f"--budget {policy.budget} does not fit in the context (-c {n_ctx}): lower it or raise -c")
+    check_budget_fits(policy, n_ctx)
     extra = policy.lookahead_cells()
     if policy.continuous and policy.budget is not None:
         if not policy.refresh_every_token and chunk > policy.budget:

@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlite.errors import KvliteError  # noqa: E402
-from kvlite.eval import report, stats, tune  # noqa: E402
+from kvlite.eval import report, ruler, stats, tune  # noqa: E402
 from kvlite.eval.grid import Grid, GridConfig  # noqa: E402
 from kvlite.eval.records import read_records, write_atomic  # noqa: E402
 from kvlite.eval.tasks import PASTE  # noqa: E402
@@ -158,7 +158,23 @@ def stages(quick: bool = False) -> list[Stage]:
     # ... and where users need eviction: Qwen at 16K and 32K tokens, 1% and 2% budgets
     out += [stage(f"long-test-qwen-{length}", qwen, TASKS, length, N["qwen"], "test", long_policies(length),
                   long_budgets(length)) for length in LONG]  # fmt: skip
+    # Issue 60: RULER, NVIDIA's packaged generators with each model's tokenizer (a benchmark of its
+    # own: no choice is made on it), at kvpress's ratios 0.75 and 0.875 and at 2%
+    out += [stage(f"ruler-{m}-{length}", MODELS[m], [], length, N_RULER, "test", ruler_policies(m), RULER_BUDGETS,
+                  ruler=list(ruler.TASKS)) for m, length in RULER_RUNS]  # fmt: skip
     return out
+
+
+RULER_RUNS = [("smol", 4096), ("gemma", 4096), ("qwen", 4096)]
+RULER_BUDGETS = ["25%", "12.5%", "2%"]
+N_RULER = 2  # samples a task, 26 a length: about 2 hours a stage here (Qwen at 8K would take 6.5: not run)
+
+
+def ruler_policies(model: str) -> list[str]:
+    """The issue's list: kvpress's presses that kvlite has, and the papers'. Gemma has no
+    counter-causal block, and none is asked for here."""
+    e = echokv_spec()
+    return ["full", "streaming", "snapkv", "tova", "h2o", "knorm", "kvzip", laq_spec(e), e]
 
 
 KV_TYPES = ["f16", "q8_0", "q4_0"]
@@ -400,6 +416,66 @@ def claims_table(records: list[dict]) -> str:
     laq = laq_spec(e)
     pairs = [(e, laq), (e, "snapkv"), (e, "streaming"), (laq, "snapkv"), (laq, "streaming"), ("cc-blind", "cc")]
     return report.compare_markdown(records, pairs, BUDGETS, model_length, label)
+
+
+def ruler_section(records: list[dict]) -> str:
+    """Per model and length: RULER's score (x100, as RULER and kvpress report it) over every task and
+    sample, by policy and budget, with its bootstrap interval; per task at each budget; the paired
+    differences; and each budget's ordering beside kvpress's at the same ratio."""
+    e = echokv_spec()
+    laq = laq_spec(e)
+    scored = [r for r in records if "score" in r]
+    out = []
+    for (model, length), rs in sorted(group_by(scored, lambda r: (r["model"], length_of(r))).items()):
+        cells = group_by(rs, lambda r: (r["policy"], r["budget"]))
+        full = [r["score"] for r in cells.get(("full", None), [])]
+        policies = [p for p in ruler_policies("") if p != "full" and any(k[0] == p for k in cells)]
+        budgets = [b for b in RULER_BUDGETS if any(k[1] == b for k in cells)]
+        n_tasks = len({r["task"] for r in rs})
+        out.append(f"**{model} · {length} tokens** ({len(full)} samples over {n_tasks} tasks; full cache "
+                   f"{pct(full)})\n")  # fmt: skip
+        out.append("| policy | " + " | ".join(f"{b} kept" for b in budgets) + " |")
+        out.append("|---|" + "---|" * len(budgets))
+        for p in policies:
+            row = [pct([r["score"] for r in cells.get((p, b), [])]) for b in budgets]
+            out.append(f"| {label(p)} | " + " | ".join(row) + " |")
+        out.append("\nOrdering by mean score (best first):\n")
+        for b in budgets:
+            means = {p: np.mean([r["score"] for r in cells[(p, b)]]) for p in policies if (p, b) in cells}
+            out.append(f"- {b} kept: " + " > ".join(f"{label(p)} {100 * m:.1f}" for p, m in
+                                                      sorted(means.items(), key=lambda kv: -kv[1])))  # fmt: skip
+        out.append("\nPer task (mean x100; n a cell: the samples of that task):\n")
+        tasks = sorted({r["task"] for r in rs}, key=lambda t: ruler.TASKS.index(t.split(":")[1].split("/")[0]))
+        for b in budgets:
+            out.append(f"*{b} kept*\n")
+            out.append("| task | full | " + " | ".join(label(p) for p in policies) + " |")
+            out.append("|---|---|" + "---|" * len(policies))
+            for t in tasks:
+                row = [cells.get(("full", None), [])] + [cells.get((p, b), []) for p in policies]
+                means = [f"{100 * np.mean([r['score'] for r in c if r['task'] == t]):.0f}"
+                         if any(r["task"] == t for r in c) else "" for c in row]  # fmt: skip
+                out.append(f"| {t.split(':')[1].split('/')[0]} | " + " | ".join(means) + " |")
+            out.append("")
+        out.append("Paired differences (score 0..1, ** where the interval excludes 0):\n")
+        out.append(report.compare_markdown(rs, [(e, "full"), (e, laq), (e, "snapkv"), ("kvzip", "full")], budgets,
+                                           model_length, label))  # fmt: skip
+        out.append("")
+    return "\n".join(out)
+
+
+def group_by(records: list[dict], key) -> dict:
+    out: dict = defaultdict(list)
+    for r in records:
+        out[key(r)].append(r)
+    return out
+
+
+def pct(scores: list[float]) -> str:
+    """A mean score x100 with its 95% bootstrap interval ("" for none)."""
+    if not scores:
+        return ""
+    iv = stats.bootstrap_mean(scores)
+    return f"{100 * iv.mean:.1f} [{100 * iv.lo:.1f}, {100 * iv.hi:.1f}]"
 
 
 def fidelity_table(records: list[dict], recent: bool = False) -> str:
@@ -915,6 +991,10 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "split (a grid feeds the longest tail any of its policies observes), so llama.cpp sums in another "
         "order and some greedy replies diverge: those pairs carry that run-to-run noise too.\n",
         kvzip_table(records_of(out, "kvzip-"), chat),
+        "\n## RULER (issue 60)\n",
+        RULER_TEXT,
+        ruler_section(records_of(out, "ruler-")) or "(not run yet)\n",
+        KVPRESS_TEXT,
         "\n## Wall time\n",
         "A stage's seconds add up its runs, cell by cell (a cell cut off midway is not counted). "
         "long-test-qwen-16384 ran across sessions before the time was kept by cell, and its row counts its last "
@@ -1018,6 +1098,44 @@ kernel changes nothing. EchoKV now smooths with 7 under 128 cells (docs/policies
 budgets"); the test split's check is the next table.
 """
 
+
+RULER_TEXT = """RULER's 13 tasks, generated by NVIDIA's packaged RULER (`kvlite eval --ruler`: its generators,
+templates, data and metrics, each model's own tokenizer counting the lengths; README, "Evaluate"), N_RULER samples a
+task and length at RULER's seed (42), in RULER's instruction mode (the task as the chat template's user
+message, the answer prefix after the assistant's header; Gemma-3-270M, a base model, the base template).
+Budgets are shares of each prompt, kvpress's compression ratios 0.75 and 0.875 (25% and 12.5% kept) and
+2% (98% removed); scores are RULER's x100 (string_match_all; string_match_part for qa). No default was
+chosen on these records: the policies are the tune split's picks. The cells evict once the whole prompt,
+its question included, has been read (as every table above); kvpress's default compresses the context
+before the question is appended (below). A stage stopped early has every task: sample i of each before
+sample i + 1 of any, so n says how far it got.
+""".replace("N_RULER", str(N_RULER))
+
+KVPRESS_TEXT = """
+**Beside kvpress's leaderboard.** kvpress ranks its presses on RULER at 4K (the `simonjegou/ruler` data,
+500 samples a task, made with Llama-3.1's tokenizer) with 8B models. Its published scores, for the presses
+kvlite has (the leaderboard's Hugging Face Space `nvidia/kvpress-leaderboard`, `benchmark/*/metrics.json`,
+as transcribed in `kvpress_leaderboard_raw.csv` of the GitHub repository `lapidoty/kvpress-centrality` at
+fb3f3657; two of its rows checked against a file in NVIDIA/kvpress's PR #176), at ratios 0.75 and 0.875
+(25% and 12.5% kept):
+
+| press (kvpress's name) | Llama-3.1-8B 0.75 | Llama-3.1-8B 0.875 | Qwen3-8B 0.75 | Qwen3-8B 0.875 |
+|---|---|---|---|---|
+| no compression | 95.7 | 95.7 | 95.3 | 95.3 |
+| kvzip | 95.2 | 92.8 | 95.0 | 92.2 |
+| snapkv, the question in the compressed part (`--query_aware`) | 78.8 | 68.0 | 74.3 | 55.5 |
+| tova | 63.3 | 46.4 | 62.4 | 33.3 |
+| snapkv (question not compressed) | 43.4 | 27.2 | 33.1 | 22.0 |
+| streaming_llm | 37.7 | 26.7 | 42.4 | 27.0 |
+| observed_attention (H2O's score) | 34.2 | 24.9 | 32.1 | 24.8 |
+| knorm | 30.3 | 21.2 | 32.6 | 8.9 |
+
+kvpress keeps `int(n * (1 - ratio))` cells per layer and head, each head its own; kvlite keeps the same
+tokens in every layer and head (llama.cpp's cache holds whole tokens), and rounds the same way. kvpress's
+default compresses the context without the question (query-agnostic): kvlite's cells read the question
+before they evict, which is kvpress's `--query_aware` setting for SnapKV; for TOVA, H2O, K-norm and
+StreamingLLM the question is part of what they score or keep. EchoKV and LAQ are not on the leaderboard.
+"""
 
 PROTOCOL = """## Protocol
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv and installs kvlite with the default model. With --serve, what `kvlite serve`
-# needs (FastAPI, uvicorn, sse-starlette); with --test, that and the test tools.
+# needs (FastAPI, uvicorn, sse-starlette); with --ruler, NVIDIA's packaged RULER (`kvlite eval
+# --ruler`); with --test, all of these and the test tools.
 # llama-cpp-python compiles from source on the first install (~6 min on 2 cores); pip caches
 # the wheel, and kvlite's own build links against the ggml it installs.
 set -euo pipefail
@@ -9,8 +10,9 @@ extra=""
 case "${1:-}" in
   --test) extra="[test]" ;;
   --serve) extra="[serve]" ;;
+  --ruler) extra="[ruler]" ;;
   "") ;;
-  *) echo "usage: bash scripts/setup.sh [--serve | --test]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/setup.sh [--serve | --ruler | --test]" >&2; exit 2 ;;
 esac
 python3 -m venv .venv
 . .venv/bin/activate

@@ -15,7 +15,7 @@ from kvlite.eval import multiturn, tasks
 from kvlite.eval.evaluate import SampleRun, tokenize
 from kvlite.eval.grid import Grid, GridConfig
 from kvlite.eval.records import read_records
-from kvlite.eval.specs import parse_spec, split_policies
+from kvlite.eval.specs import cells_for, parse_budget, parse_spec, split_policies
 from kvlite.policies import EchoKV, SnapKV, make_policy
 from kvlite.runner import Runner, RunSettings
 
@@ -278,6 +278,28 @@ def test_config_file_with_cli_overrides_and_json(tiny_paths, tmp_path):
     logged = [line for line in r.stderr.splitlines() if line.startswith("[eval] ")]
     assert [line.split(" cells")[0] for line in logged] == ["[eval] 1/3", "[eval] 2/3", "[eval] 3/3"], r.stderr
     assert logged[-1].endswith("~0:00:00 left")
+
+
+def test_budgets_as_a_share_of_each_prompt(tiny_paths, tmp_path):
+    """--budgets 50%: each prompt keeps half its tokens, rounded down as kvpress's presses round; the
+    record says the cells it resolved to. A TOML file takes them too; nonsense shares are refused."""
+    assert [parse_budget(b) for b in ("12.5%", " 2% ", "100%", "64", 64)] == ["12.5%", "2%", "100%", 64, 64]
+    assert [cells_for(b, n) for b, n in (("12.5%", 1000), ("1%", 50), (64, 1000), (None, 9))] == [125, 1, 64, None]
+    for bad in ("0%", "101%", "nan%", "x%", "-5", "1e3"):
+        with pytest.raises(KvliteError, match="--budgets"):
+            parse_budget(bad)
+    cfg = tmp_path / "grid.toml"
+    cfg.write_text(f'models = ["{tiny_paths["llama"]}"]\ntasks = ["single"]\nlengths = [300]\nn = 1\n'
+                   'policies = ["full", "snapkv"]\nbudgets = ["50%", 48]\nn-predict = 4\n')  # fmt: skip
+    r = run_cli("eval", "--config", str(cfg), "--out", str(tmp_path / "o"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert [(x["policy"], x["budget"]) for x in json.loads(r.stdout)] == [("full", None), ("snapkv", 48),
+                                                                           ("snapkv", "50%")]  # fmt: skip
+    (half,) = [x for x in read_records(tmp_path / "o") if x["budget"] == "50%"]
+    assert half["budget_cells"] == half["prompt_tokens"] // 2 == len(half["kept"])
+    assert (tmp_path / "o" / "plots" / "scores-tiny-llama.png").exists()
+    with pytest.raises(KvliteError, match="a conversation's budget is in cells"):
+        GridConfig.load(None, {"tasks": ["chat"], "budgets": ["10%"]})
 
 
 def test_restored_cache_agrees_with_llama_state(tiny_model, prompt):

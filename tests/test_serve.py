@@ -157,6 +157,9 @@ BAD = [
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 64, "repeat_chunk": 32}, 400, "repeat_chunk"),
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": "64"}, 400, "kv_budget"),
     ({"messages": FRANCE, "kv_bugdet": 64}, 400, "kv_bugdet"),
+    # issue 60: a budget past the context is refused before a stream's 200, as without a stream
+    ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 5000}, 400, "kv_budget 5000 does not fit"),
+    ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 5000, "stream": True}, 400, "kv_budget 5000 does not"),
     ({"messages": FRANCE, "max_tokens": -1}, 400, "max_tokens"),
     ({"messages": FRANCE, "max_tokens": 10**9}, 400, "max_tokens"),
     ({"messages": FRANCE, "temperature": float("nan")}, 400, "temperature"),

@@ -69,15 +69,18 @@ def offloaded_layers(n_gpu_layers: int | None, n_layer: int) -> int:
 class Model:
     """Weights and vocabulary, shared by every context made from them."""
 
-    def __init__(self, path: str | pathlib.Path, use_extra_bufts: bool = False, n_gpu_layers: int | None = None):
+    def __init__(self, path: str | pathlib.Path, use_extra_bufts: bool = False, n_gpu_layers: int | None = None,
+                 vocab_only: bool = False):  # fmt: skip
         """n_gpu_layers: llama.cpp's -ngl, layers whose weights (and KV cache) live on the GPU;
-        None: all of them when ggml sees a GPU (0 on a CPU build without --rpc)."""
+        None: all of them when ggml sees a GPU (0 on a CPU build without --rpc). vocab_only: the
+        tokenizer and chat template alone (no weights: no context can be made)."""
         self.info: ModelInfo = read_model_info(path)  # validates before llama.cpp sees the file
         params = L.llama_model_default_params()
         self.n_gpu_layers = offloaded_layers(n_gpu_layers, self.info.n_layer)
         params.n_gpu_layers = self.n_gpu_layers
         # On CPU builds the AMX/repack buffers crash the first decode on AMX-capable CPUs (docs/design.md).
         params.use_extra_bufts = use_extra_bufts
+        params.vocab_only = vocab_only
         self.ptr = L.llama_model_load_from_file(str(path).encode(), params)
         if not self.ptr:
             detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"

@@ -23,6 +23,7 @@ def _names(text: str) -> list[str]:
 
 
 def add_parser(sub) -> None:
+    from . import ruler
     from .specs import split_policies
     from .tasks import TASKS
 
@@ -46,6 +47,10 @@ def add_parser(sub) -> None:
         help=f"generated tasks: {', '.join(TASKS)} (default single,multikey,twohop unless --data); paste-single "
         "and the like: the same document and question without the task's instructions, as a user pastes them",
     )
+    p.add_argument("--ruler", type=_names, nargs="?", const=[], default=None, metavar="TASKS",
+                   help="RULER's tasks at --lengths, generated offline from NVIDIA's packaged RULER with the "
+                   "model's tokenizer (the ruler extra): all 13, or some of "
+                   f"{','.join(ruler.TASKS)} (docs/results.md, \"RULER\")")  # fmt: skip
     p.add_argument("--lengths", type=_ints, default=None, help="prompt lengths in tokens (default 1024)")
     p.add_argument("-n", type=int, default=None, help="samples per task and length (default 4)")
     p.add_argument("--seed", type=int, default=None)
@@ -58,7 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--policies", type=split_policies, default=None,
                    help="comma-separated, parameters as echokv(T=8,aggregate=mean); default: full,streaming,snapkv,"
                    "echokv")  # fmt: skip
-    p.add_argument("--budgets", type=_ints, default=None, help="comma-separated KV budgets (default 128,256)")
+    p.add_argument("--budgets", type=_names, default=None,
+                   help="comma-separated KV budgets: cells, or a share of each prompt as kvpress's compression "
+                   "ratios are (25%% keeps a quarter: ratio 0.75); default 128,256")  # fmt: skip
     p.add_argument(
         "--kv-types",
         type=_names,
@@ -90,14 +97,16 @@ def add_parser(sub) -> None:
 
 def cmd_eval(args) -> int:
     from ..progress import progress_bar
-    from . import report
+    from . import report, ruler
     from .grid import Grid, GridConfig
     from .records import prepare_out, read_records, record_key, write_atomic
 
-    overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "lengths",
-                                               "n", "seed", "split", "depth", "policies", "budgets", "n_predict",
-                                               "max_length", "diagnostics", "evolution", "threads", "n_gpu_layers",
-                                               "shard", "out", "ray", "kv_types")}  # fmt: skip
+    if args.ruler == []:  # --ruler alone: every task
+        args.ruler = list(ruler.TASKS)
+    overrides = {k: getattr(args, k) for k in ("models", "data", "dataset", "metric", "limit", "tasks", "ruler",
+                                               "lengths", "n", "seed", "split", "depth", "policies", "budgets",
+                                               "n_predict", "max_length", "diagnostics", "evolution", "threads",
+                                               "n_gpu_layers", "shard", "out", "ray", "kv_types")}  # fmt: skip
     cfg = GridConfig.load(args.config, overrides)
     if args.rpc and cfg.ray:
         raise KvliteError("--rpc and --ray together are not supported: the RPC servers would be the driver's only")

@@ -55,12 +55,12 @@ def tokenize(model: Model, sample: Sample, max_new_tokens: int | None = None, ma
         return model.tokenize(text, add_special=True, parse_special=sample.chat)
 
     if sample.chat and model.chat_template is not None:
-        text = model.apply_chat_template([{"role": "user", "content": sample.prompt}])
+        text = model.apply_chat_template([{"role": "user", "content": sample.prompt}]) + (sample.cue or "")
         offset = text.index(sample.prompt)
     elif sample.chat:  # a base model (no template): a plain completion, cued as lm-eval-harness cues one
-        text, offset = sample.prompt + BASE_MODEL_CUE, 0
+        text, offset = sample.prompt + (BASE_MODEL_CUE if sample.cue is None else sample.cue), 0
     else:
-        text, offset = sample.prompt, 0
+        text, offset = sample.prompt + (sample.cue or ""), 0
     tokens = encode(text)
     evidence: list[int] = []
     for a, b in sample.evidence:  # token positions of a character span: the lengths of its prefixes

@@ -25,10 +25,10 @@ from ..errors import KvliteError
 from ..evict import GRID_DEFAULT
 from ..limits import INT32_MAX, check_int, check_threads
 from ..models import resolve_model
-from . import longbench, multiturn, tasks
+from . import longbench, multiturn, ruler, tasks
 from .evaluate import Prompt, Reference, SampleRun, tokenize
 from .records import prepare_out, read_records, record_key, repair_tail
-from .specs import kv_type_of, model_label, parse_spec, policy_for, run_params
+from .specs import Budget, cells_for, kv_type_of, model_label, parse_budget, parse_spec, policy_for, run_params
 
 DEFAULT_TASKS = ["single", "multikey", "twohop"]
 
@@ -36,7 +36,8 @@ DEFAULT_TASKS = ["single", "multikey", "twohop"]
 @dataclasses.dataclass
 class GridConfig:
     models: list[str] = dataclasses.field(default_factory=lambda: ["default"])
-    tasks: list[str] | None = None  # generated tasks; None: DEFAULT_TASKS unless `data` is given
+    tasks: list[str] | None = None  # generated tasks; None: DEFAULT_TASKS unless `data` or `ruler` is given
+    ruler: list[str] = dataclasses.field(default_factory=list)  # RULER's tasks (kvlite.eval.ruler), at `lengths`
     lengths: list[int] = dataclasses.field(default_factory=lambda: [1024])
     n: int = 4  # samples per generated task and length
     seed: int = 0
@@ -47,7 +48,7 @@ class GridConfig:
     metric: str | None = None
     limit: int = 0  # at most this many samples per data file (0: all)
     policies: list[str] = dataclasses.field(default_factory=lambda: ["full", "streaming", "snapkv", "echokv"])
-    budgets: list[int] = dataclasses.field(default_factory=lambda: [128, 256])
+    budgets: list[int | str] = dataclasses.field(default_factory=lambda: [128, 256])  # cells, or "25%" of a prompt
     kv_types: list[str] = dataclasses.field(default_factory=lambda: ["f16"])  # cache types, K and V alike (-ctk/-ctv)
     n_predict: int | None = None  # overrides each task's generation length
     max_length: int = 0  # longer prompts keep their first and last halves (0: the model's context)
@@ -87,8 +88,8 @@ class GridConfig:
                 raise KvliteError(f"config key {key} must be {_describe_type(hints[key])}, got {value!r}")
         cfg = cls(**values)
         cfg.validate()
-        if not cfg.tasks and not cfg.data:  # (a Ray worker's config has neither: its samples come with it)
-            raise KvliteError("--tasks names no task and there is no --data: nothing to evaluate")
+        if not cfg.tasks and not cfg.data and not cfg.ruler:  # (a Ray worker's has none: its samples come with it)
+            raise KvliteError("--tasks names no task and there is no --data or --ruler: nothing to evaluate")
         return cfg
 
     def validate(self) -> None:
@@ -103,11 +104,26 @@ class GridConfig:
         for t in self.kv_types:
             if t not in CACHE_TYPES:
                 raise KvliteError(f"--kv-types {t!r}: the cache types are {', '.join(CACHE_TYPES)}")
-        for b in self.budgets:
-            check_int("--budgets", b, 1)
+        self.budgets = [parse_budget(b) for b in self.budgets]
+        for flag, values in (("--policies", self.policies), ("--budgets", self.budgets), ("--kv-types", self.kv_types),
+                             ("--lengths", self.lengths), ("--tasks", self.tasks or []), ("--ruler", self.ruler),
+                             ("--data", self.data)):  # fmt: skip
+            twice = sorted({str(v) for v in values if values.count(v) > 1})
+            if twice:  # each would run, and record, the same cells again
+                raise KvliteError(f"{flag} names {', '.join(twice)} twice")
         evicting = [p for p in self.policies if parse_spec(p)[0] != "full"]
         if evicting and not self.budgets:
             raise KvliteError(f"--budgets names no budget: {', '.join(evicting)} need one")
+        for spec in evicting:  # a spec no budget can run is refused; one some budgets cannot fails its cells
+            errors = []
+            for b in self.budgets:
+                try:
+                    policy_for(spec, cells_for(b, self.nominal_length), 1)
+                    break
+                except KvliteError as e:
+                    errors.append(e)
+            else:
+                raise KvliteError(f"--policies {spec}: {errors[0]}")
         for n in self.lengths:
             check_int("--lengths", n, tasks.MIN_LENGTH)
         check_int("-n", self.n)
@@ -128,22 +144,36 @@ class GridConfig:
         if self.split not in tasks.SPLITS:
             raise KvliteError(f"--split must be one of {', '.join(tasks.SPLITS)}, got '{self.split}'")
         if self.tasks is None:
-            self.tasks = [] if self.data else list(DEFAULT_TASKS)
+            self.tasks = [] if self.data or self.ruler else list(DEFAULT_TASKS)
         for t in self.tasks:
-            tasks.task_kind(t)
-        if self.tasks and not self.lengths:
+            if tasks.task_kind(t)[0].multi_turn and any(isinstance(b, str) for b in self.budgets):
+                raise KvliteError(f"--tasks {t}: a conversation's budget is in cells (a share needs one prompt)")
+        for t in self.ruler:
+            ruler.family(t)
+        if self.ruler:
+            ruler.check_installed()
+        if (self.tasks or self.ruler) and not self.lengths:
             raise KvliteError("--lengths names no length for the generated tasks")
-        if self.tasks and not self.n:
+        if (self.tasks or self.ruler) and not self.n:
             raise KvliteError("-n 0 generates no sample: give -n 1 or more")
         shard_of(self.shard)
+        if self.dataset is not None:
+            longbench.check_dataset(self.dataset)
         for path in self.data:
-            if not pathlib.Path(path).is_file():
-                raise KvliteError(f"data file not found: {path}")
-            with open(path, "rb") as f:
-                if not any(line.strip() for line in f):
-                    raise KvliteError(f"data file {path} holds no line: nothing to evaluate")
+            samples, errors = longbench.load(path, self.dataset, self.metric)
+            if errors:
+                more = f" (and {len(errors) - 1} more line(s))" if len(errors) > 1 else ""
+                raise KvliteError(f"{errors[0]}{more}: fix or remove them")
+            if not samples:
+                raise KvliteError(f"data file {path} holds no line: nothing to evaluate")
         if pathlib.Path(self.out).exists() and not pathlib.Path(self.out).is_dir():
             raise KvliteError(f"--out {self.out} is a file: name a directory (new or from an earlier run)")
+
+    @property
+    def nominal_length(self) -> int:
+        """The prompt length a share budget is judged at before any prompt is read (the longest
+        generated; a data file's prompts are as long as they are)."""
+        return max(self.lengths, default=tasks.MIN_LENGTH)
 
     @property
     def out_dir(self) -> pathlib.Path:
@@ -214,29 +244,29 @@ class Grid:
         self.failures = 0
         evicting = [p for p in cfg.policies if parse_spec(p)[0] != "full"]
         self.cells = [("full", None)] + [(p, b) for p in evicting for b in cfg.budgets]
-        valid = [policy_for(p, b, 1) for p, b in self.cells if self._valid(p, b)]
+        valid = [policy_for(p, cells_for(b, cfg.nominal_length), 1) for p, b in self.cells if self._valid(p, b)]
         self.tail = max([1] + [p.observed_tokens() for p in valid])  # prompt tokens every cell feeds itself
         self.lookahead_cells = max([8] + [p.lookahead_cells() for p in valid])
 
-    def _valid(self, spec: str, budget: int | None) -> bool:
+    def _valid(self, spec: str, budget: Budget | None) -> bool:
         try:
-            policy_for(spec, budget, 1)  # any question length: this asks about the spec alone
+            policy_for(spec, cells_for(budget, self.cfg.nominal_length), 1)  # any question length: the spec alone
             return True
         except KvliteError:
             return False
 
-    def _samples(self, model: Model) -> Iterator[tasks.Sample]:
-        """This shard's samples: every n-th of the grid's list, in a fixed order."""
+    def _samples(self, model: Model, made: list[list[tasks.Sample]]) -> Iterator[tasks.Sample]:
+        """This shard's samples: every n-th of the grid's list, in a fixed order. made: RULER's, one
+        list a task and length (generated before the model is loaded: a length a task cannot reach
+        fails at once)."""
         cfg = self.cfg
         listed: list[tasks.Sample] = []
-        for path in cfg.data:
-            samples, errors = longbench.load(path, cfg.dataset, cfg.metric)
-            for e in errors:
-                self._fail({"data": str(path)}, e)
+        for path in cfg.data:  # every line good: GridConfig.validate
+            samples, _ = longbench.load(path, cfg.dataset, cfg.metric)
             listed.extend(samples[: cfg.limit] if cfg.limit else samples)
         count = lambda text: len(model.tokenize(text, add_special=False, parse_special=False))  # noqa: E731
         made = [tasks.generate(t, cfg.n, length, count, cfg.seed, cfg.depth, cfg.split)
-                for t in cfg.tasks for length in cfg.lengths]  # fmt: skip
+                for t in cfg.tasks for length in cfg.lengths] + made  # fmt: skip
         # sample i of every task and length before sample i + 1 of any: a grid stopped early (a long
         # stage carried over sessions) has every task, not the first task's samples alone
         listed.extend(s for row in zip(*made) for s in row)
@@ -271,10 +301,13 @@ class Grid:
         """The units of work, (model, sample): all of a sample's cells share its prefill."""
         for model_arg in self.cfg.models:
             path = resolve_model(None if model_arg == "default" else model_arg)
+            made = [ruler.generate(self.cfg.ruler, self.cfg.n, n, path, self.cfg.seed) if self.cfg.ruler else {}
+                    for n in self.cfg.lengths]  # fmt: skip
+            made = [by_length[t] for t in self.cfg.ruler for by_length in made]
             model = Model(path, n_gpu_layers=self.cfg.n_gpu_layers)
             try:
                 for kv_type in self.cfg.kv_types:
-                    for sample in self._samples(model):
+                    for sample in self._samples(model, made):
                         yield path, model, model_label(path, kv_type), sample
             finally:
                 model.close()
@@ -350,13 +383,16 @@ class Grid:
             emitted = not (rerun_full and i == 0)  # a resume's rerun of the full cell is not written
             try:
                 t0 = time.perf_counter()
-                policy = policy_for(spec, budget, prompt.question_tokens)
+                cells = cells_for(budget, len(prompt.tokens))
+                policy = policy_for(spec, cells, prompt.question_tokens)
                 record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))
+                if isinstance(budget, str):
+                    record["budget_cells"] = cells
                 if emitted and not prefix_told and run.prefix_s is not None:
                     # on the first record written after the read (a loaded reference leaves the
                     # read to a later cell), so every read of a prompt is charged once
                     record["time"]["prefix_s"], prefix_told = run.prefix_s, True
-                if budget is not None and budget >= len(prompt.tokens):
+                if cells is not None and cells >= len(prompt.tokens):
                     record["note"] = "budget >= prompt: nothing evicted"
                 record["time"]["cell_s"] = time.perf_counter() - t0
                 if emitted:
@@ -412,6 +448,6 @@ class Grid:
         for path in cfg.data:
             rows = sum(1 for line in pathlib.Path(path).read_bytes().split(b"\n") if line.strip())
             n_data += min(rows, cfg.limit) if cfg.limit else rows
-        n_samples = n_data + len(cfg.tasks) * len(cfg.lengths) * cfg.n
+        n_samples = n_data + (len(cfg.tasks) + len(cfg.ruler)) * len(cfg.lengths) * cfg.n
         mine = len(range(self.shard - 1, n_samples, self.n_shards))
         return mine * len(self.cells) * len(cfg.models) * len(cfg.kv_types)

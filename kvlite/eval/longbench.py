@@ -8,6 +8,8 @@ import json
 import pathlib
 
 from ..errors import KvliteError
+from ..limits import kind_of
+from . import ruler
 from .metrics import METRICS
 from .tasks import Sample
 
@@ -96,12 +98,23 @@ FIRST_LINE = {"trec", "triviaqa", "samsum", "lsht"}
 CHINESE = {"multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh"}
 
 
-def _dataset_of(row: dict, path: pathlib.Path, default: str | None) -> str:
-    name = row.get("dataset") or default or path.stem.removesuffix("_e")
+def check_dataset(name: str) -> None:
+    """A LongBench dataset kvlite can score, or a RULER task as ruler_<task>; a one-line error otherwise."""
+    if name.startswith("ruler_"):
+        ruler.family(name.removeprefix("ruler_"))
+        return
     if name in CHINESE:
         raise KvliteError(f"dataset '{name}' is Chinese: its metrics need jieba segmentation, which kvlite lacks")
     if name not in PROMPTS:
-        raise KvliteError(f"unknown LongBench dataset '{name}': choose from {', '.join(sorted(PROMPTS))}")
+        raise KvliteError(f"unknown LongBench dataset '{name}': choose from {', '.join(sorted(PROMPTS))} (or RULER's "
+                          "as ruler_<task>)")  # fmt: skip
+
+
+def _dataset_of(row: dict, path: pathlib.Path, default: str | None) -> str:
+    name = row.get("dataset") or default or path.stem.removesuffix("_e")
+    if not isinstance(name, str):
+        raise KvliteError(f"field dataset must be a string, got {kind_of(name)}")
+    check_dataset(name)
     return name
 
 
@@ -109,6 +122,10 @@ def load(path: str | pathlib.Path, dataset: str | None = None, metric: str | Non
     """Samples of a LongBench-format JSONL, and one error message per line that could not be used
     (malformed JSON, missing fields, unknown dataset or metric), each naming its line."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise KvliteError(f"--data {path} is a directory: name a JSONL file")
+    if path.exists() and not path.is_file():
+        raise KvliteError(f"--data {path} is not a regular file (a device or a pipe): name a JSONL file")
     if not path.is_file():
         raise KvliteError(f"data file not found: {path}")
     if metric is not None and metric not in METRICS:
@@ -134,19 +151,34 @@ def _sample(raw: bytes, lineno: int, path: pathlib.Path, dataset: str | None, me
         raise KvliteError(f"not valid UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise KvliteError(f"not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise KvliteError("JSON nested too deep") from None
     if not isinstance(row, dict):
         raise KvliteError("a line must be a JSON object")
+    if "outputs" in row or str(row.get("dataset") or dataset or "").startswith("ruler_"):
+        if "input" not in row or "outputs" not in row:
+            raise KvliteError("missing field(s) input, outputs of a RULER line")
+        return ruler.read_line(row, lineno, path, dataset, metric)
     missing = [k for k in ("context", "input", "answers") if k not in row]
     if missing:
         raise KvliteError(f"missing field(s) {', '.join(missing)}")
+    for key in ("context", "input"):
+        if not isinstance(row[key], str):
+            raise KvliteError(f"field {key} must be a string, got {kind_of(row[key])}")
+    answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
+    if not answers or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in answers):
+        raise KvliteError(f"field answers must be a string or a non-empty list of strings, got "
+                          f"{kind_of(row['answers'])}")  # fmt: skip
+    classes = row.get("all_classes")
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise KvliteError(f"field all_classes must be a list of strings or null, got {kind_of(classes)}")
     name = _dataset_of(row, path, dataset)
     m = metric or row.get("metric") or METRIC[name]
     if m not in METRICS:
         raise KvliteError(f"unknown metric '{m}': choose from {', '.join(METRICS)}")
-    answers = row["answers"] if isinstance(row["answers"], list) else [row["answers"]]
     prompt = PROMPTS[name].format(context=row["context"], input=row["input"])
     return Sample(name, lineno, prompt, [str(a) for a in answers], m, MAX_NEW_TOKENS[name],
-                  chat=name not in NO_CHAT, all_classes=row.get("all_classes"))  # fmt: skip
+                  chat=name not in NO_CHAT, all_classes=classes)  # fmt: skip
 
 
 def postprocess(sample: Sample, prediction: str) -> str:

@@ -86,6 +86,11 @@ def contains_all(prediction: str, truth: str, **_) -> float:
     return float(truth in prediction)
 
 
+def string_match(prediction: str, truth: str, **_) -> float:
+    """RULER's: the answer appears in the output, case aside (scored over all answers by `score`)."""
+    return float(truth.lower() in prediction.lower())
+
+
 METRICS: dict[str, Callable[..., float]] = {
     "qa_f1": qa_f1,
     "rouge": rouge,
@@ -95,13 +100,15 @@ METRICS: dict[str, Callable[..., float]] = {
     "code_sim": code_sim,
     "contains_all": contains_all,
     "contains_share": contains_all,  # per answer; `score` averages them
+    "string_match_all": string_match,  # RULER's niah, vt, cwe, fwe: the share of answers found
+    "string_match_part": string_match,  # RULER's qa: any answer found
 }
 
 
 def score(metric: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None = None) -> float:
-    """One sample's score: LongBench's max over gold answers; for contains_all, 1 only if every
-    answer appears (variable tracking asks for all variables); for contains_share, the share that
-    appears (list recall)."""
+    """One sample's score: LongBench's max over gold answers (RULER's string_match_part too); for
+    contains_all, 1 only if every answer appears (variable tracking asks for all variables); for
+    contains_share and RULER's string_match_all, the share that appears."""
     fn = METRICS.get(metric)
     if fn is None:
         raise KvliteError(f"unknown metric '{metric}': choose from {', '.join(METRICS)}")
@@ -109,7 +116,7 @@ def score(metric: str, prediction: str, answers: Sequence[str], all_classes: Seq
         raise KvliteError("a sample without gold answers cannot be scored")
     if metric == "contains_all":
         return float(all(fn(prediction, a) for a in answers))
-    if metric == "contains_share":  # decode-heavy tasks: partial credit for each value restated
+    if metric in ("contains_share", "string_match_all"):  # partial credit for each value restated
         return float(np.mean([fn(prediction, a) for a in answers]))
     return max(fn(prediction, a, all_classes=all_classes) for a in answers)
 

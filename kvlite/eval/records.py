@@ -21,7 +21,7 @@ def is_record(r: object) -> bool:
         return False
     key = (r.get("model"), r.get("task"), r.get("sample"), r.get("policy"))
     return all(isinstance(v, str) for v in key[:2] + key[3:]) and isinstance(key[2], (int, str)) and (
-        r.get("budget") is None or isinstance(r.get("budget"), int)) and "budget" in r  # fmt: skip
+        r.get("budget") is None or isinstance(r.get("budget"), (int, str))) and "budget" in r  # fmt: skip
 
 
 def read_records(out: pathlib.Path, pattern: str = "samples*.jsonl") -> list[dict]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import KvliteError
 from . import stats
+from .specs import budget_order
 
 FIDELITY = ("exact_match", "token_agreement", "kl", "top1", "evidence_kept")
 # score_lo / score_hi: the 95% percentile-bootstrap interval of the mean score over samples (stats.py).
@@ -22,10 +23,6 @@ COLUMNS = ("task", "policy", "budget", "score", "score_lo", "score_hi", "n", "mo
 def _mean(values: list) -> float | None:
     vals = [v for v in values if v is not None]
     return float(np.mean(vals)) if vals else None
-
-
-def _budget_order(b) -> tuple:
-    return (0, 0) if b is None else (1, b)
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -41,7 +38,7 @@ def summarize(records: list[dict]) -> list[dict]:
                "score_hi": ci.hi, "n": len(rs), "model": model}  # fmt: skip
         row.update({k: _mean([r.get(k) for r in rs]) for k in FIDELITY})
         rows.append(row)
-    rows.sort(key=lambda r: (r["model"], r["task"], _policy_order(r["policy"]), _budget_order(r["budget"])))
+    rows.sort(key=lambda r: (r["model"], r["task"], _policy_order(r["policy"]), budget_order(r["budget"])))
     return rows
 
 
@@ -86,7 +83,7 @@ def to_markdown(rows: list[dict], value: str = "score", digits: int = 2) -> str:
     for r in rows:
         by[(r["model"], r["task"])].append(r)
     for (model, task), rs in by.items():
-        budgets = sorted({r["budget"] for r in rs if r["budget"] is not None})
+        budgets = sorted({r["budget"] for r in rs if r["budget"] is not None}, key=budget_order)
         full = next((r for r in rs if r["policy"] == "full"), None)
         n = max(r["n"] for r in rs)
         out.append(f"**{model} · {task}** ({value}, n = {n}; full cache: {_cell(full, value, digits)})\n")
@@ -217,7 +214,11 @@ def plot_scores(
     policies = list(dict.fromkeys(r["policy"] for r in mine if r["policy"] != "full"))
     colours = plt.get_cmap("tab10").colors
     style = {p: (colours[i % len(colours)], "os^Dv<>ph*"[i % 10]) for i, p in enumerate(policies)}
-    budgets = sorted({r["budget"] for r in mine if r["budget"] is not None})
+    budgets = sorted({r["budget"] for r in mine if r["budget"] is not None}, key=budget_order)
+    x = lambda b: budget_order(b)[1]  # noqa: E731 - cells, or a share's percent
+    kinds = {isinstance(b, str) for b in budgets}
+    xlabel = {True: "budget (% of the prompt)", False: "budget (cells)"}[kinds.pop()] if len(kinds) == 1 else (
+        "budget (cells; %: of the prompt)")  # fmt: skip
     fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(0.6 + 2.9 * len(lengths), 0.9 + 2.1 * len(tasks)),
                              sharex=True, sharey=True, squeeze=False, layout="constrained")  # fmt: skip
     handles: dict[str, object] = {}
@@ -229,7 +230,7 @@ def plot_scores(
                 ax.set_axis_off()
                 continue
             for policy in policies:
-                pts = sorted((r["budget"], r[value]) for r in rs if r["policy"] == policy and r[value] is not None)
+                pts = sorted((x(r["budget"]), r[value]) for r in rs if r["policy"] == policy and r[value] is not None)
                 if pts:
                     colour, marker = style[policy]
                     (handles[policy],) = ax.plot(*zip(*pts), color=colour, marker=marker, markersize=5, alpha=0.85)
@@ -242,11 +243,11 @@ def plot_scores(
             if j == 0:
                 ax.set_ylabel(f"{task.removeprefix(shared + ':') if shared else task}\n{value}")
             if i == len(tasks) - 1:
-                ax.set_xlabel("budget (cells)")
+                ax.set_xlabel(xlabel)
     for ax in axes.flat:
         ax.set_xscale("log", base=2)
         if budgets:
-            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.set_xticks([x(b) for b in budgets], [str(b) for b in budgets])
             ax.minorticks_off()
         ax.set_ylim(-0.05, 1.05)
     names = [p for p in policies if p in handles] + (["full"] if "full" in handles else [])
@@ -340,7 +341,8 @@ def write_plots(out: pathlib.Path, records: list[dict], rows: list[dict]) -> lis
     paths = []
     for model in dict.fromkeys(r["model"] for r in rows):
         paths.append(plot_scores(rows, model, plots / f"scores-{model}.png"))
-        budgets = sorted({r["budget"] for r in records if r.get("budget") and "kept" in r and r["model"] == model})
+        budgets = sorted({r["budget"] for r in records if r.get("budget") and "kept" in r and r["model"] == model},
+                         key=budget_order)  # fmt: skip
         first = next((r for r in records if r["model"] == model and r.get("evidence") and "kept" in r), None)
         if first and budgets:
             b = 128 if 128 in budgets else budgets[0]

@@ -116,6 +116,9 @@ class Sample:
     # A conversation (multi-turn tasks): the user messages in order, each with the answers its reply
     # must contain (none for a turn that only tells something). `prompt` is then the first message.
     turns: list[tuple[str, list[str]]] | None = None
+    # What the reply continues (RULER's answer prefix): after the chat template's assistant header,
+    # or after the prompt where there is no template (in place of BASE_MODEL_CUE). None: nothing.
+    cue: str | None = None
 
 
 def _code(rng: random.Random, digits: int = 7) -> str:

@@ -12,7 +12,9 @@ from typing import Any
 from ..api import ROLES, check_text
 from ..engine import SamplingParams
 from ..errors import KvliteError
+from ..evict import chat_ctx
 from ..policies import ALL_PARAMS, Policy, check_budget, make_policy
+from ..settings import check_budget_fits
 from .config import ServeConfig
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -180,6 +182,7 @@ def parse_policy(body: dict, cfg: ServeConfig) -> Policy:
     try:
         check_budget(name, {**params, **given}.get("budget"), "kv_policy", "kv_budget")
         policy = make_policy(name, **{**params, **given})
+        check_budget_fits(policy, chat_ctx(cfg.settings.n_ctx, policy), "kv_budget")  # before a stream's 200
     except (KvliteError, TypeError, ValueError) as e:
         raise ApiError(400, str(e), param="kv_policy") from None
     return policy
