@@ -36,8 +36,10 @@ def add_parser(sub) -> None:
     p.add_argument("--config", help="TOML file with any of the options below (e.g. policies = ['full', 'echokv'])")
     p.add_argument("-m", "--model", dest="models", action="append", default=None, metavar="MODEL",
                    help="GGUF model (repeat for several; default: SmolLM2-135M-Instruct)")  # fmt: skip
-    p.add_argument("--data", action="append", default=None, help="LongBench-format JSONL file (repeatable)")
-    p.add_argument("--dataset", default=None, help="LongBench dataset name for lines without a 'dataset' field")
+    p.add_argument("--data", action="append", default=None, help="LongBench- or RULER-format JSONL file (repeatable)")
+    p.add_argument(
+        "--dataset", default=None, help="LongBench dataset name (or ruler_<task>) for lines without a 'dataset' field"
+    )
     p.add_argument("--metric", default=None, help="override the dataset's metric")
     p.add_argument("--limit", type=int, default=None, help="at most this many samples per data file")
     p.add_argument(

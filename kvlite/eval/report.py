@@ -219,7 +219,8 @@ def plot_scores(
     kinds = {isinstance(b, str) for b in budgets}
     xlabel = {True: "budget (% of the prompt)", False: "budget (cells)"}[kinds.pop()] if len(kinds) == 1 else (
         "budget (cells; %: of the prompt)")  # fmt: skip
-    fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(0.6 + 2.9 * len(lengths), 0.9 + 2.1 * len(tasks)),
+    width = max(6.0, 0.6 + 2.9 * len(lengths))  # room for the legend's four columns under one panel
+    fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(width, 0.9 + 2.1 * len(tasks)),
                              sharex=True, sharey=True, squeeze=False, layout="constrained")  # fmt: skip
     handles: dict[str, object] = {}
     for i, task in enumerate(tasks):
