@@ -426,9 +426,8 @@ def ruler_section(records: list[dict]) -> str:
     sample, by policy and budget, with its bootstrap interval; per task at each budget; the paired
     differences; and each budget's ordering beside kvpress's at the same ratio."""
     *_, laq, e = ruler_policies()
-    scored = [r for r in records if "score" in r]
     out = []
-    for (model, length), rs in sorted(group_by(scored, lambda r: (r["model"], length_of(r))).items()):
+    for (model, length), rs in by_model_length(records).items():
         cells = group_by(rs, lambda r: (r["policy"], r["budget"]))
         full = [r["score"] for r in cells.get(("full", None), [])]
         policies = [p for p in ruler_policies() if p != "full" and any(k[0] == p for k in cells)]
@@ -443,26 +442,44 @@ def ruler_section(records: list[dict]) -> str:
             out.append(f"| {label(p)} | " + " | ".join(row) + " |")
         out.append("\nOrdering by mean score (best first):\n")
         for b in budgets:
-            means = {p: np.mean([r["score"] for r in cells[(p, b)]]) for p in policies if (p, b) in cells}
-            out.append(f"- {b} kept: " + " > ".join(f"{label(p)} {100 * m:.1f}" for p, m in
-                                                      sorted(means.items(), key=lambda kv: -kv[1])))  # fmt: skip
+            out.append(f"- {b} kept: {ordering(mean_scores(rs, b, policies), label)}")
         out.append("\nPer task (mean x100; n a cell: the samples of that task):\n")
-        tasks = sorted({r["task"] for r in rs}, key=lambda t: ruler.TASKS.index(t.split(":")[1].split("/")[0]))
+        per_task = {(r["task"], r["policy"], r["budget"]): r["score"] for r in report.summarize(rs)}
+        tasks = sorted({r["task"] for r in rs}, key=lambda t: ruler.TASKS.index(ruler_task(t)))
         for b in budgets:
             out.append(f"*{b} kept*\n")
             out.append("| task | full | " + " | ".join(label(p) for p in policies) + " |")
             out.append("|---|---|" + "---|" * len(policies))
             for t in tasks:
-                row = [cells.get(("full", None), [])] + [cells.get((p, b), []) for p in policies]
-                means = [f"{100 * np.mean([r['score'] for r in c if r['task'] == t]):.0f}"
-                         if any(r["task"] == t for r in c) else "" for c in row]  # fmt: skip
-                out.append(f"| {t.split(':')[1].split('/')[0]} | " + " | ".join(means) + " |")
+                means = [per_task.get(key) for key in [(t, "full", None)] + [(t, p, b) for p in policies]]
+                shown = ["" if m is None else f"{100 * m:.0f}" for m in means]
+                out.append(f"| {ruler_task(t)} | " + " | ".join(shown) + " |")
             out.append("")
         out.append("Paired differences (score 0..1, ** where the interval excludes 0):\n")
         pairs = [(e, "full"), (e, laq), (e, "snapkv"), (e, "kvzip"), ("kvzip", "full")]
         out.append(report.compare_markdown(rs, pairs, budgets, model_length, label))
         out.append("")
     return "\n".join(out)
+
+
+def by_model_length(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """The scored records of each model and prompt length, in order."""
+    return dict(sorted(group_by([r for r in records if "score" in r], lambda r: (r["model"], length_of(r))).items()))
+
+
+def mean_scores(records: list[dict], budget: str, policies) -> dict[str, float]:
+    """The mean score of each of `policies` that ran at `budget`."""
+    cells = group_by([r for r in records if r["budget"] == budget], lambda r: r["policy"])
+    return {p: float(np.mean([r["score"] for r in cells[p]])) for p in policies if p in cells}
+
+
+def ordering(means: dict[str, float], name=str) -> str:
+    return " > ".join(f"{name(p)} {100 * m:.1f}" for p, m in sorted(means.items(), key=lambda kv: -kv[1]))
+
+
+def ruler_task(task: str) -> str:
+    """A RULER record's task name: "ruler:niah_single_1/4096" -> "niah_single_1"."""
+    return task.partition(":")[2].rpartition("/")[0]
 
 
 # kvpress's leaderboard, RULER 4K (KVPRESS_TEXT says where from): kvlite's policy -> kvpress's press
@@ -481,15 +498,12 @@ def kvpress_agreement(records: list[dict]) -> str:
     """Per budget kvpress reports, kvlite's order of the presses both have beside kvpress's, and how
     many of their pairs are ordered alike (a pair kvlite scores equal is a tie)."""
     out = []
-    for (model, length), rs in sorted(group_by([r for r in records if "score" in r],
-                                               lambda r: (r["model"], length_of(r))).items()):  # fmt: skip
+    for (model, length), rs in by_model_length(records).items():
         for i, share in enumerate(KVPRESS_SHARES):
-            ours = {p: np.mean([r["score"] for r in rs if r["policy"] == p and r["budget"] == share]) for p in
-                    KVPRESS["Qwen3-8B"] if any(r["policy"] == p and r["budget"] == share for r in rs)}  # fmt: skip
+            ours = mean_scores(rs, share, KVPRESS["Qwen3-8B"])
             if len(ours) < 2:
                 continue
-            mine = " > ".join(f"{p} {100 * v:.1f}" for p, v in sorted(ours.items(), key=lambda kv: -kv[1]))
-            out.append(f"- {model} · {length}, {share} kept: kvlite {mine}")
+            out.append(f"- {model} · {length}, {share} kept: kvlite {ordering(ours)}")
             for board, scores in KVPRESS.items():
                 pairs = [(a, b) for a in ours for b in ours if a < b]
                 same = sum((ours[a] - ours[b]) * (scores[a][i] - scores[b][i]) > 0 for a, b in pairs)

@@ -301,9 +301,9 @@ class Grid:
         """The units of work, (model, sample): all of a sample's cells share its prefill."""
         for model_arg in self.cfg.models:
             path = resolve_model(None if model_arg == "default" else model_arg)
-            made = [ruler.generate(self.cfg.ruler, self.cfg.n, n, path, self.cfg.seed) if self.cfg.ruler else {}
-                    for n in self.cfg.lengths]  # fmt: skip
-            made = [by_length[t] for t in self.cfg.ruler for by_length in made]
+            generated = [ruler.generate(self.cfg.ruler, self.cfg.n, n, path, self.cfg.seed) if self.cfg.ruler else {}
+                         for n in self.cfg.lengths]  # fmt: skip
+            made = [by_task[t] for t in self.cfg.ruler for by_task in generated]  # a list a task and length
             model = Model(path, n_gpu_layers=self.cfg.n_gpu_layers)
             try:
                 for kv_type in self.cfg.kv_types:

@@ -216,9 +216,10 @@ def plot_scores(
     style = {p: (colours[i % len(colours)], "os^Dv<>ph*"[i % 10]) for i, p in enumerate(policies)}
     budgets = sorted({r["budget"] for r in mine if r["budget"] is not None}, key=budget_order)
     x = lambda b: budget_order(b)[1]  # noqa: E731 - cells, or a share's percent
-    kinds = {isinstance(b, str) for b in budgets}
-    xlabel = {True: "budget (% of the prompt)", False: "budget (cells)"}[kinds.pop()] if len(kinds) == 1 else (
-        "budget (cells; %: of the prompt)")  # fmt: skip
+    shares = [isinstance(b, str) for b in budgets]
+    xlabel = "budget (cells; %: of the prompt)" if any(shares) else "budget (cells)"
+    if shares and all(shares):
+        xlabel = "budget (% of the prompt)"
     width = max(6.0, 0.6 + 2.9 * len(lengths))  # room for the legend's four columns under one panel
     fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(width, 0.9 + 2.1 * len(tasks)),
                              sharex=True, sharey=True, squeeze=False, layout="constrained")  # fmt: skip
