@@ -80,10 +80,10 @@ class Session:
         self.pool = pool
         self._conversation: Conversation | None = None
 
-    def _runner(self, n_ctx: int, n_tokens: int, n_predict: int) -> Runner:
-        n_ctx, chunk = plan_context(self.policy, n_ctx, n_tokens, n_predict, self.settings.chunk)
+    def _runner(self, policy: Policy, n_ctx: int, n_tokens: int, n_predict: int) -> Runner:
+        n_ctx, chunk = plan_context(policy, n_ctx, n_tokens, n_predict, self.settings.chunk)
         settings = dataclasses.replace(self.settings, n_ctx=n_ctx, chunk=chunk)
-        return Runner(self.model, self.policy, settings, pool=self.pool)
+        return Runner(self.model, policy, settings, pool=self.pool)
 
     def generate(
         self,
@@ -96,26 +96,28 @@ class Session:
     ) -> Generation:
         """Complete one prompt on a fresh cache (chat=True wraps it as a user turn of the template;
         its text is never read as control tokens). progress: a prefill progress bar on stderr when
-        it is a terminal. interrupted: checked between chunks and tokens; True stops the run."""
+        it is a terminal. interrupted: checked between chunks and tokens; True stops the run.
+        A budget given as a share of the prompt ("2%") keeps that share of this prompt's tokens."""
         check_text(prompt, "the prompt")
         check_int("-n", n_predict)
         if chat:
             tokens = self.model.tokenize_chat([{"role": "user", "content": prompt}])
         else:
             tokens = self.model.tokenize(prompt, add_special=True, parse_special=False)
-        runner = self._runner(self.settings.n_ctx, len(tokens), n_predict)
+        runner = self._runner(self.policy.resolve(len(tokens)), self.settings.n_ctx, len(tokens), n_predict)
         try:
             with reading(len(tokens) if progress else 0, runner.chunk + 1, evicting(runner, len(tokens), True)) as bar:
                 complete = runner.feed(tokens, progress=bar, interrupted=interrupted)
             out, stopped = [], "interrupted"
             if complete:
                 out, stopped = runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
+            share = {"budget_share": self.policy.budget} if self.policy.share else {}
             return Generation(
                 text=self.model.detokenize(out),
                 prompt_tokens=len(tokens),
                 generated_tokens=len(out),
                 stopped=stopped,
-                cache=runner.cache_report(len(tokens)),
+                cache=runner.cache_report(len(tokens)) | share,
                 timings=runner.timings.as_dict(),
             )
         finally:
@@ -129,9 +131,10 @@ class Session:
         None: evict_mode's default."""
         if self.model.chat_template is None:
             raise KvliteError(f"{self.model.path.name} has no chat template: use `kvlite generate`")
+        self.policy.require_cells("a conversation", "a budget")
         evict = evict_mode(evict, self.policy)
         n_ctx = chat_ctx(self.settings.n_ctx, self.policy)
-        return Conversation(self._runner(n_ctx, 0, 0), system=system, evict=evict)
+        return Conversation(self._runner(self.policy, n_ctx, 0, 0), system=system, evict=evict)
 
     def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
         """One turn of a conversation; the cache (compressed by the policy) carries over."""

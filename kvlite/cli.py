@@ -65,7 +65,7 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="full", choices=sorted(POLICIES), help="eviction policy")
     for name, prm in ALL_PARAMS.items():
         flags = [prm.short, prm.flag] if prm.short else [prm.flag]
-        kw: dict = {"choices": prm.choices} if prm.choices else {"type": prm.type}
+        kw: dict = {"choices": prm.choices} if prm.choices else {"type": str if prm.share else prm.type}
         p.add_argument(*flags, dest=name, default=None, help=f"{prm.help} ({default_summary(name)})", **kw)
     p.add_argument(
         "--cache", type=int, default=None, help="chunked mode's cache size J (sets --budget and --mode chunked)"
@@ -158,8 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy_from_args(args):
+    from .limits import parse_budget
     from .policies import ALL_PARAMS, check_budget, make_policy
 
+    if args.budget is not None:
+        args.budget = parse_budget(args.budget)  # cells, or a share of the prompt ("2%")
     if args.cache is not None:
         if args.budget is not None and args.budget != args.cache:
             raise KvliteError("give the cache size with --cache or --budget, not both")
@@ -173,7 +176,8 @@ def _policy_from_args(args):
 def _note_small_budget(policy) -> None:
     from .policies.lookahead import MIN_ANSWERING_BUDGET
 
-    if policy.name != "full" and policy.mode == "prefill-end" and policy.budget < MIN_ANSWERING_BUDGET:
+    small = not policy.share and policy.budget is not None and policy.budget < MIN_ANSWERING_BUDGET
+    if policy.name != "full" and policy.mode == "prefill-end" and small:
         print(f"kvlite: note: below {MIN_ANSWERING_BUDGET} cells (measured at 20 and 40) no policy kept most answers "
               f"on the test split (docs/results.md); from {MIN_ANSWERING_BUDGET} up, echokv or laq",
               file=sys.stderr)  # fmt: skip
@@ -311,6 +315,7 @@ def _summary(g) -> str:
     t, c = g.timings, g.cache
     rate = lambda v: f"{v:.1f} tok/s" if v else "-"  # noqa: E731
     budget = c["budget"] if c["budget"] is not None else "none"
+    budget = f"{budget} ({c['budget_share']} of the prompt)" if "budget_share" in c else budget
     return (
         f"[kvlite] prompt {g.prompt_tokens} tok ({rate(t['prefill_tok_s'])}), generated {g.generated_tokens} "
         f"({rate(t['decode_tok_s'])}, {g.stopped}) | cells {c['final_cells']} now, {c['max_cells']} max, "
@@ -335,6 +340,7 @@ def cmd_chat(args) -> int:
         saved = (args.load, read_saved(args.load, resolve_model(args.model)))
     args.policy = args.policy or "full"
     policy = saved[1].policy() if saved else _policy_from_args(args)
+    policy.require_cells("kvlite chat")
     settings = _settings_from_args(args)
     _note_ctx(settings.n_ctx)
     return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict,
@@ -364,6 +370,7 @@ def cmd_serve(args) -> int:
     from .serve.app import serve
 
     policy, settings = _policy_from_args(args), _settings_from_args(args)  # checked before the port is taken
+    policy.require_cells("kvlite serve")  # its default holds for conversations; a completion may ask a share
     _note_ctx(settings.n_ctx)
     _add_rpc(args.rpc)
     _note_ngl(args.n_gpu_layers, offloaded_layers(args.n_gpu_layers, 1))  # the model itself loads once serving

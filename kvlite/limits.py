@@ -27,6 +27,36 @@ def check_int(name: str, value: object, lo: int = 0, hi: int = INT32_MAX) -> int
     return value
 
 
+Budget = int | str  # KV cells, or a share of the prompt as "25%" (kvpress's compression ratio 0.75)
+
+
+def parse_budget(value: object, flag: str = "--budget") -> Budget:
+    """A budget: KV cells (an integer), or a share of the prompt ("2%", "12.5%", written back as
+    "12.5%"), which a policy turns into cells once it knows the prompt (cells_for)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            share = math.nan
+        if not 0 < share <= 100:  # NaN fails it too
+            raise KvliteError(f"{flag} {value!r}: a share of the prompt is a percentage in (0, 100], as 12.5%")
+        return f"{share:g}%"
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise KvliteError(f"{flag} {value!r}: give KV cells (128) or a share of the prompt (2%)") from None
+    return check_int(flag, value, 1)
+
+
+def cells_for(budget: Budget | None, n_prompt: int) -> int | None:
+    """What a budget keeps of an n-token prompt: a share rounds down, as kvpress's presses do (at
+    least one cell)."""
+    if not isinstance(budget, str):
+        return budget
+    return max(1, int(n_prompt * float(budget[:-1]) / 100))
+
+
 def kind_of(value: object) -> str:
     """How an error names a JSON value of the wrong type: its type, or the value itself if short."""
     kinds = {dict: "an object", list: "a list", type(None): "null", bool: "a boolean"}

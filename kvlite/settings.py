@@ -41,7 +41,7 @@ class RunSettings:
 
 def check_budget_fits(policy: Policy, n_ctx: int, flag: str = "--budget") -> None:
     """A budget must leave the context room beside it (n_ctx 0: as needed, anything fits)."""
-    if policy.budget is not None and n_ctx and policy.budget >= n_ctx:
+    if isinstance(policy.budget, int) and n_ctx and policy.budget >= n_ctx:  # a share fits where its prompt does
         raise KvliteError(f"{flag} {policy.budget} does not fit in the context (-c {n_ctx}): lower it or raise -c")
 
 

@@ -19,6 +19,18 @@ def test_session_generate_and_chat_on_tiny_model(tiny_paths):
     s.reset()
 
 
+def test_a_budget_as_a_share_of_the_prompt(tiny_paths):
+    """EchoKV(budget="20%") keeps a fifth of each prompt (rounded down, as kvpress's presses);
+    a conversation, which is no one prompt, refuses it before any context is made."""
+    s = kvlite.Session(tiny_paths["llama"], policy=kvlite.EchoKV(budget="20%", lookahead=4, workspace=128))
+    for text in ("abcdefgh" * 30, "abcdefgh" * 50):
+        g = s.generate(text, n_predict=2)
+        assert (g.cache["budget"], g.cache["budget_share"]) == (g.prompt_tokens // 5, "20%")
+        assert g.cache["evicted"] == g.prompt_tokens - g.prompt_tokens // 5
+    with pytest.raises(kvlite.KvliteError, match="a conversation needs a budget in KV cells"):
+        s.chat("hello")
+
+
 NEEDLE = "The locker code of Orla Bren is 54554."
 QUESTION = "What is the locker code of Orla Bren?"
 

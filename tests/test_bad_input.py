@@ -126,6 +126,37 @@ CASES = {
     "--rpc nobody there": (["info", "-m", TINY, "--rpc", "127.0.0.1:1"], None, None, "no RPC server answers"),
     "-ngl -1": (["generate", "-m", TINY, "-p", "hi", "-ngl", "-1"], None, None, "must be 0 or more"),
     "eval -ngl -1": (["eval", "-m", TINY, "-ngl", "-1", "--out", "{missing}-g"], None, None, "-ngl must be 0 or more"),
+    # issue 60: a budget as a share of the prompt
+    "--budget 2x": (
+        ["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "2x"],
+        None,
+        None,
+        "give KV cells (128) or a share of the prompt",
+    ),  # fmt: skip
+    "--budget 0%": (
+        ["generate", "-m", TINY, "-p", "hi", "--policy", "snapkv", "--budget", "0%"],
+        None,
+        None,
+        "a percentage in (0, 100]",
+    ),  # fmt: skip
+    "--budget 1% of a short prompt": (
+        ["generate", "-m", TINY, "-p", "hi there", "--policy", "snapkv", "--budget", "1%"],
+        None,
+        None,
+        "-token prompt is 1 cell: --budget 1 leaves no room",
+    ),
+    "chat --budget 10%": (
+        ["chat", "-m", TINY, "--policy", "snapkv", "--budget", "10%"],
+        b"",
+        None,
+        "kvlite chat needs --budget in KV cells",
+    ),  # fmt: skip
+    "serve --budget 10%": (
+        ["serve", "-m", TINY, "--policy", "snapkv", "--budget", "10%", "--port", "{port}"],
+        None,
+        None,
+        "kvlite serve needs --budget in KV cells",
+    ),  # fmt: skip
     "-c 4": (["generate", "-m", TINY, "-p", "hi", "-c", "4"], None, None, "at least 256 cells"),
     "-c -1": (["generate", "-m", TINY, "-p", "hi", "-c", "-1"], None, None, "-c must be >= 0"),
     "full --mode chunked": (

@@ -84,6 +84,17 @@ def test_generate_json_tiny_streaming(tiny_paths):
     assert set(out["timings"]) >= {"prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s"}
 
 
+def test_generate_budget_as_a_share_of_the_prompt(tiny_paths):
+    """--budget 25%: StreamingLLM keeps its 4 sinks and the last quarter-minus-4 positions."""
+    proc = run_cli("generate", "-m", tiny_paths["llama"], "-p", "abcdefghij" * 60, "-n", "2", "--json",
+                   "--policy", "streaming", "--budget", "25%")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    n, cache = out["prompt_tokens"], out["cache"]
+    assert (cache["budget"], cache["budget_share"]) == (n // 4, "25%")
+    assert cache["kept_positions"] == [0, 1, 2, 3] + list(range(n - (n // 4 - 4), n))
+
+
 def test_default_threads_are_the_cores_kvlite_may_run_on():
     """taskset or a container's cpuset limits the cores: -t's default follows (os.cpu_count would
     put 8 threads on one core)."""

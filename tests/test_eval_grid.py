@@ -15,7 +15,8 @@ from kvlite.eval import multiturn, tasks
 from kvlite.eval.evaluate import SampleRun, tokenize
 from kvlite.eval.grid import Grid, GridConfig
 from kvlite.eval.records import read_records
-from kvlite.eval.specs import cells_for, parse_budget, parse_spec, split_policies
+from kvlite.eval.specs import parse_spec, split_policies
+from kvlite.limits import cells_for, parse_budget
 from kvlite.policies import EchoKV, SnapKV, make_policy
 from kvlite.runner import Runner, RunSettings
 
@@ -287,7 +288,7 @@ def test_budgets_as_a_share_of_each_prompt(tiny_paths, tmp_path):
     assert [cells_for(b, n) for b, n in (("12.5%", 1000), ("1%", 50), (64, 1000), (None, 9))] == [125, 1, 64, None]
     for bad in ("0%", "101%", "nan%", "x%", "-5", "1e3"):
         with pytest.raises(KvliteError, match="--budgets"):
-            parse_budget(bad)
+            parse_budget(bad, "--budgets")
     cfg = tmp_path / "grid.toml"
     cfg.write_text(f'models = ["{tiny_paths["llama"]}"]\ntasks = ["single"]\nlengths = [300]\nn = 1\n'
                    'policies = ["full", "snapkv"]\nbudgets = ["50%", 48]\nn-predict = 4\n')  # fmt: skip

@@ -62,6 +62,15 @@ def test_cli_flags_come_from_the_declarations():
     assert args.first_layer == 1 and args.lookahead is None
 
 
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"full"}))
+def test_a_share_of_the_prompt_is_the_policy_at_its_cells(name):
+    """budget="2%" of a 4,000-token prompt is the policy at 80 cells, the defaults worked out from
+    the budget (H2O's window, the lookahead's workspace, EchoKV's pool kernel) included."""
+    share = make_policy(name, budget="2%")
+    assert share.share and share.resolve(4000) == make_policy(name, budget=80)
+    assert make_policy(name, budget=" 12.50% ").budget == "12.5%"
+
+
 def test_spec_parser_uses_aliases_flags_and_names():
     assert parse_spec("echokv(T=8,kernel=5,B1=256,S=4,aggregate=mean)")[1] == dict(
         lookahead=8, pool_kernel=5, workspace=256, anchors=4, aggregation="mean"
@@ -72,6 +81,8 @@ def test_spec_parser_uses_aliases_flags_and_names():
         parse_spec("snapkv(T=8)")
     with pytest.raises(KvliteError, match="wants an integer"):
         parse_spec("echokv(T=eight)")
+    with pytest.raises(KvliteError, match="its --budgets axis"):
+        parse_spec("echokv(budget=2%)")
 
 
 def test_docs_table_is_generated_from_the_declarations():

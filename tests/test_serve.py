@@ -156,6 +156,14 @@ BAD = [
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 4}, 400, "sinks"),
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 64, "repeat_chunk": 32}, 400, "repeat_chunk"),
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": "64"}, 400, "kv_budget"),
+    # issue 60: a share of the prompt, for one prompt only, checked in cells before a stream's 200
+    ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": "50%", "stream": True}, 400, "kv_budget in KV cells"),
+    ({"prompt": "The capital of France is", "kv_policy": "snapkv", "kv_budget": "150%"}, 400, "(0, 100]"),
+    (
+        {"prompt": "The capital of France is", "kv_policy": "snapkv", "kv_budget": "10%", "stream": True},
+        400,
+        "-token prompt is 1 cell: ",
+    ),  # fmt: skip
     ({"messages": FRANCE, "kv_bugdet": 64}, 400, "kv_bugdet"),
     # issue 60: a budget past the context is refused before a stream's 200, as without a stream
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 5000}, 400, "kv_budget 5000 does not fit"),
@@ -187,6 +195,15 @@ def test_bad_requests_are_openai_shaped_errors(live, body, status, words):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["type"] == "invalid_request_error" and err["code"] == status
+
+
+def test_a_completions_budget_as_a_share_of_the_prompt(live, smol_model):
+    """kv_budget "25%" keeps a quarter of this prompt's tokens (rounded down), and says so."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 20 + "What does the fox jump over?"
+    n = len(smol_model.tokenize(prompt, add_special=True, parse_special=False))
+    r = live.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "kv_policy": "snapkv", "kv_budget": "25%"})
+    k = r.json()["kvlite"]
+    assert (k["budget"], k["budget_share"], k["evicted_cells"]) == (n // 4, "25%", n - n // 4)
 
 
 def test_keys_and_limits(live):

@@ -23,12 +23,12 @@ from ..engine import Model
 from ..engine.cachetypes import CACHE_TYPES
 from ..errors import KvliteError
 from ..evict import GRID_DEFAULT
-from ..limits import INT32_MAX, check_int, check_threads
+from ..limits import INT32_MAX, Budget, cells_for, check_int, check_threads, parse_budget
 from ..models import resolve_model
 from . import longbench, multiturn, ruler, tasks
 from .evaluate import Prompt, Reference, SampleRun, tokenize
 from .records import prepare_out, read_records, record_key, repair_tail
-from .specs import Budget, cells_for, kv_type_of, model_label, parse_budget, parse_spec, policy_for, run_params
+from .specs import kv_type_of, model_label, parse_spec, policy_for, run_params
 
 DEFAULT_TASKS = ["single", "multikey", "twohop"]
 
@@ -104,7 +104,7 @@ class GridConfig:
         for t in self.kv_types:
             if t not in CACHE_TYPES:
                 raise KvliteError(f"--kv-types {t!r}: the cache types are {', '.join(CACHE_TYPES)}")
-        self.budgets = [parse_budget(b) for b in self.budgets]
+        self.budgets = [parse_budget(b, "--budgets") for b in self.budgets]
         for flag, values in (("--policies", self.policies), ("--budgets", self.budgets), ("--kv-types", self.kv_types),
                              ("--lengths", self.lengths), ("--tasks", self.tasks or []), ("--ruler", self.ruler),
                              ("--data", self.data)):  # fmt: skip

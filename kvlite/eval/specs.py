@@ -4,13 +4,12 @@ eviction mode, a protected question), and the model labels of records."""
 
 from __future__ import annotations
 
-import math
 import pathlib
 import re
 
 from ..errors import KvliteError
 from ..evict import MODES
-from ..limits import check_int
+from ..limits import Budget
 from ..policies import POLICIES, FullKV, Param, Policy, make_policy
 
 # Policy parameters in specs such as "echokv(T=8,aggregate=mean)" go by their declared alias, field
@@ -46,6 +45,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             prm.check(params[field])
         elif names.get(key) == "window" and value == QUESTION:
             params["window"] = QUESTION
+        elif names.get(key) == "budget":
+            raise KvliteError(f"policy '{spec}': a grid's budgets are its --budgets axis, not a spec parameter")
         elif key in names:
             params[names[key]] = declared[names[key]].parse(value)
         else:
@@ -84,35 +85,6 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
 def run_params(spec: str) -> dict:
     """The cell settings a spec carries (chunk h for chunked mode, evict for multi-turn tasks)."""
     return {k: v for k, v in parse_spec(spec)[1].items() if k in ("chunk", "evict")}
-
-
-Budget = int | str  # KV cells, or a share of each prompt as "25%" (kvpress's compression ratio 0.75)
-
-
-def parse_budget(value: object, flag: str = "--budgets") -> Budget:
-    """An eval budget: cells (an integer), or a share of the prompt ("2%", "12.5%")."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            share = float(value.strip()[:-1])
-        except ValueError:
-            share = math.nan
-        if not 0 < share <= 100:  # NaN fails it too
-            raise KvliteError(f"{flag} {value!r}: a share of the prompt is a percentage in (0, 100], as 12.5%")
-        return f"{share:g}%"
-    if isinstance(value, str):
-        try:
-            value = int(value)
-        except ValueError:
-            raise KvliteError(f"{flag} {value!r}: give KV cells (128) or a share of the prompt (2%)") from None
-    return check_int(flag, value, 1)
-
-
-def cells_for(budget: Budget | None, n_prompt: int) -> int | None:
-    """What a budget keeps of an n-token prompt: a share rounds down, as kvpress's presses do (at
-    least one cell)."""
-    if not isinstance(budget, str):
-        return budget
-    return max(1, int(n_prompt * float(budget[:-1]) / 100))
 
 
 def budget_order(budget: Budget | None) -> tuple:

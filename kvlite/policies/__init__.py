@@ -85,6 +85,7 @@ def parameter_table() -> str:
             values = f">= {p.minimum:g}" if p.minimum is not None else "any"
             values = f"{p.minimum:g}..{p.maximum:g}" if p.maximum is not None and p.minimum is not None else values
             values += ", odd or 0" if p.odd else ""
+            values += ", or a share of the prompt (2%)" if p.share else ""
         rows.append(f"| {flag} | `{p.alias or name}` | {values} | {p.help} | {default_summary(name)} |")
     return "\n".join(rows)
 

@@ -70,7 +70,7 @@ class SnapKV(LastQueries):
     name = "snapkv"
     reads = "the attention of the last prompt queries over the cached keys of {layers}, max-pooled"
 
-    def __post_init__(self):
+    def derive(self) -> None:
         self.window = self.window or self.observation
 
 
@@ -96,7 +96,7 @@ class H2O(LastQueries):
     pool_kernel: int = 0
     aggregation: str = "mean"
 
-    def __post_init__(self):
+    def derive(self) -> None:
         self.window = self.window or (self.budget // 2 if self.budget else 0)
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..errors import KvliteError
-from ..limits import INT32_MAX, check_pool_kernel
+from ..limits import INT32_MAX, Budget, cells_for, check_pool_kernel, parse_budget
 
 if TYPE_CHECKING:
     from ..models import ModelInfo
@@ -31,7 +31,8 @@ class Param:
     """One policy parameter as users see it. flag: the CLI spelling (--pool-kernel); short: a
     llama.cpp-style short flag (-T); alias: the short name in eval specs (echokv(kernel=13));
     minimum / maximum / choices / odd: the allowed values (odd: an odd number, or 0); an integer's
-    maximum is at most llama.cpp's int32 range (limits.INT32_MAX)."""
+    maximum is at most llama.cpp's int32 range (limits.INT32_MAX); share: a share of the prompt
+    ("2%") is allowed too (the budget)."""
 
     flag: str
     help: str
@@ -42,6 +43,7 @@ class Param:
     maximum: float | None = None
     choices: tuple[str, ...] | None = None
     odd: bool = False
+    share: bool = False
 
     @property
     def spelling(self) -> str:
@@ -50,6 +52,9 @@ class Param:
     def check(self, value: Any) -> None:
         """A one-line error naming the flag when value is out of range."""
         if value is None:
+            return
+        if self.share and isinstance(value, str):
+            parse_budget(value, self.spelling)
             return
         if self.choices is not None:
             if value not in self.choices:
@@ -71,6 +76,8 @@ class Param:
 
     def parse(self, text: str) -> Any:
         """A value from text (an eval spec or a flag)."""
+        if self.share:
+            return parse_budget(text, self.spelling)
         if self.type is str:
             return text
         try:
@@ -89,10 +96,13 @@ def param(default: Any, flag: str, help: str, **kw: Any) -> Any:
 @dataclasses.dataclass
 class Policy:
     """budget: cells kept on the live sequence after an eviction, protected ones included
-    (None: keep everything). sinks: the first positions, always kept. window: the most recent
-    resident tokens, always kept (0: only the last one)."""
+    (None: keep everything), or a share of the prompt ("2%": resolve() turns it into cells once the
+    prompt is known; the defaults worked out from the budget wait until then). sinks: the first
+    positions, always kept. window: the most recent resident tokens, always kept (0: only the last
+    one)."""
 
-    budget: int | None = param(None, "--budget", "KV cells kept after eviction, sinks included", minimum=1)
+    budget: Budget | None = param(None, "--budget", "KV cells kept after eviction, sinks included, or a share of "
+                                  "the prompt (2%)", minimum=1, share=True)  # fmt: skip
     sinks: int = param(4, "--sinks", "first positions always kept (attention sinks)", minimum=0)
     window: int = param(0, "--window", "most recent tokens always kept (0: h2o keeps budget/2, snapkv its "
                         "observation window, the others the last token)", minimum=0)  # fmt: skip
@@ -109,6 +119,41 @@ class Policy:
     refresh_every_token: ClassVar[bool] = False  # chunked: also refresh after every generated token
     # How a default that the policy works out (a None field) reads in help and docs, by field name
     default_notes: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget, str):
+            self.budget = parse_budget(self.budget, self.flag("budget"))
+        if not self.share:
+            self.derive()
+
+    def derive(self) -> None:
+        """Defaults worked out from other fields (H2O's window, the lookahead's workspace): a
+        subclass's None field filled in, once the budget is in cells."""
+
+    @property
+    def share(self) -> bool:
+        """Whether the budget is a share of the prompt, not yet cells."""
+        return isinstance(self.budget, str)
+
+    def resolve(self, n_prompt: int) -> Policy:
+        """This policy for an n_prompt-token prompt: a share of it in cells (rounded down, as
+        kvpress's presses do), checked as a budget in cells is."""
+        if not self.share:
+            return self
+        cells = cells_for(self.budget, n_prompt)
+        try:
+            policy = dataclasses.replace(self, budget=cells)
+            policy.validate()
+        except KvliteError as e:
+            kept = f"{cells} cell{'s' * (cells != 1)}"
+            raise KvliteError(f"{self.budget} of the {n_prompt}-token prompt is {kept}: {e}") from None
+        return policy
+
+    def require_cells(self, what: str, flag: str = "--budget") -> None:
+        """A one-line error where a budget must be in cells: a conversation's turns are not one prompt."""
+        if self.share:
+            raise KvliteError(f"{what} needs {flag} in KV cells (256), not {self.budget}: a share of the prompt is "
+                              "for one prompt (kvlite generate, /v1/completions, kvlite eval)")  # fmt: skip
 
     @classmethod
     def params(cls) -> dict[str, Param]:
@@ -167,7 +212,7 @@ class Policy:
             p.check(getattr(self, name))
         if self.continuous and self.budget is None and self.name != "full":
             raise KvliteError("chunked mode needs a cache size: --cache J (or --budget)")
-        if self.budget is None:
+        if self.budget is None or self.share:  # a share is checked in cells by resolve()
             return
         if self.budget <= self.sinks + max(self.window, 1):
             raise KvliteError(

@@ -49,7 +49,7 @@ class Hybrid(Policy):
     anchors: int = _part_field(EchoKV, "anchors")
     proposals: int | None = _part_field(EchoKV, "proposals")
 
-    def __post_init__(self):
+    def derive(self) -> None:
         if self.pool_kernel is None:
             self.pool_kernel = self.echokv.pool_kernel
         if self.workspace is None:

@@ -34,13 +34,13 @@ class LookaheadPolicy(AttentionPolicy):
     WORKSPACE: ClassVar[int] = 1024
     default_notes: ClassVar[dict[str, str]] = {"workspace": "1024, or the budget when larger"}
 
-    def __post_init__(self):
+    def derive(self) -> None:
         if self.workspace is None:
             self.workspace = max(self.WORKSPACE, self.budget or 0)
 
     def validate(self) -> None:
         super().validate()
-        if self.budget is not None and self.workspace < self.budget:
+        if self.budget is not None and not self.share and self.workspace < self.budget:
             w, b = self.flag("workspace"), self.flag("budget")
             raise KvliteError(f"{w} {self.workspace} is smaller than {b} {self.budget}")
 
@@ -106,8 +106,8 @@ class EchoKV(LookaheadPolicy):
         "proposals": f"T, or {LONG_PROPOSALS} from {LONG_CACHE} cells",
     }
 
-    def __post_init__(self):
-        super().__post_init__()
+    def derive(self) -> None:
+        super().derive()
         if self.pool_kernel is None:
             self.pool_kernel = 7 if self.budget is not None and self.budget < SMALL_BUDGET else 13
 

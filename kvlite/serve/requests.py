@@ -120,6 +120,7 @@ class Ask:
     stop: list[str]
     stream: bool
     conversation_id: str | None = None
+    budget_share: str | None = None  # kv_budget as asked ("2%"), where the policy's budget is its cells
 
 
 def parse_request(body: dict, cfg: ServeConfig, default_sampling: SamplingParams) -> Ask:
@@ -175,7 +176,10 @@ def parse_policy(body: dict, cfg: ServeConfig) -> Policy:
     params = dict(cfg.params) if name == cfg.policy else carried
     given = {p: body[p] for p in ALL_PARAMS if p in body and p != "budget"}
     if "kv_budget" in body:
-        given["budget"] = field(body, "kv_budget", int)
+        given["budget"] = field(body, "kv_budget", (int, str))
+        if isinstance(given["budget"], str) and not given["budget"].strip().endswith("%"):
+            raise ApiError(400, "'kv_budget' is KV cells (an integer) or a share of the prompt (\"2%\")",
+                           param="kv_budget")  # fmt: skip
     for p, v in given.items():
         if isinstance(v, bool) or (isinstance(v, float) and not math.isfinite(v)):
             raise ApiError(400, f"'{p}' cannot be {json.dumps(v)}", param=p)

@@ -85,6 +85,8 @@ async def completion(request: Request, server: Server, endpoint: str, parse_inpu
     server.metrics.count(endpoint)
     given = parse_input(body)
     req = parse_request(body, server.cfg, server.default_sampling)
+    if req.policy.share:  # in cells before a stream's 200, so that a share that cannot run is a 400
+        req = server.for_prompt(given, req)
     kind = "chat.completion" if endpoint == "chat" else "text_completion"
     return await respond(server, req, kind, lambda on_text, cancelled: work(given, req, on_text, cancelled))
 

@@ -298,6 +298,17 @@ class Server:
         return Result(text, finish_reason(stopped), prompt_tokens, generated, info)
 
     # -- completions ------------------------------------------------------------------------------
+    def for_prompt(self, given: str | list[dict], req: Ask) -> Ask:
+        """A request whose kv_budget is a share of the prompt, with the policy's budget in cells of
+        this prompt (as Session.generate reads it). A conversation's turns are not one prompt."""
+        try:
+            if not isinstance(given, str):
+                req.policy.require_cells("/v1/chat/completions", "kv_budget")
+            n_tokens = len(self.model.tokenize(given, add_special=True, parse_special=False))
+            return dataclasses.replace(req, policy=req.policy.resolve(n_tokens), budget_share=req.policy.budget)
+        except KvliteError as e:
+            raise ApiError(400, str(e), param="kv_budget") from None
+
     def complete(self, prompt: str, req: Ask, on_text: Callable[[str], None] | None,
                  cancelled: Callable[[], bool]) -> Result:  # fmt: skip
         """A prompt on a fresh cache (no slot: completions carry no conversation). Its context is
@@ -314,7 +325,9 @@ class Server:
             except KvliteError as e:
                 raise ApiError(400, str(e)) from None
         stops.finish(on_text)
-        info = report(repr(req.policy), g.cache, g.timings, g.prompt_tokens, g.prompt_tokens, g.cache["max_cells"])
+        share = {"budget_share": req.budget_share} if req.budget_share else {}
+        info = report(repr(req.policy), g.cache, g.timings, g.prompt_tokens, g.prompt_tokens, g.cache["max_cells"],
+                      **share)  # fmt: skip
         return Result(stops.cut(g.text), "stop" if stops.hit else finish_reason(g.stopped), g.prompt_tokens,
                       g.generated_tokens, info)  # fmt: skip
 
