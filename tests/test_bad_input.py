@@ -125,6 +125,12 @@ CASES = {
     "--rpc no port": (["generate", "-m", TINY, "-p", "hi", "--rpc", "localhost"], None, None, "--rpc wants HOST:PORT"),
     "--rpc nobody there": (["info", "-m", TINY, "--rpc", "127.0.0.1:1"], None, None, "no RPC server answers"),
     "-ngl -1": (["generate", "-m", TINY, "-p", "hi", "-ngl", "-1"], None, None, "must be 0 or more"),
+    "eval --ruler at a length it cannot reach": (
+        ["eval", "-m", TINY, "--ruler", "qa_2", "--lengths", "1024", "-n", "1", "--out", "{missing}-r"],
+        None,
+        None,
+        "qa_2 cannot fit a sample in 992 tokens",
+    ),  # fmt: skip
     "eval -ngl -1": (["eval", "-m", TINY, "-ngl", "-1", "--out", "{missing}-g"], None, None, "-ngl must be 0 or more"),
     # issue 60: a budget as a share of the prompt
     "--budget 2x": (

@@ -47,8 +47,25 @@ if any("long_context_eval" in a for a in sys.argv):
 
 
 @pytest.fixture(scope="module")
-def generated(smol_path):
-    return ruler.generate(TASKS, 2, LENGTH, smol_path)
+def ruler_cache(tmp_path_factory):
+    """A cache folder of this module's own, so that its samples are generated here, not read back."""
+    return tmp_path_factory.mktemp("kvlite-cache")
+
+
+@pytest.fixture(scope="module")
+def generated(smol_path, ruler_cache):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVLITE_CACHE", str(ruler_cache))
+        return ruler.generate(TASKS, 2, LENGTH, smol_path)
+
+
+def test_generated_samples_are_kept_and_read_back(generated, smol_path, ruler_cache, monkeypatch):
+    """A second start (a resume, another policy on the same samples) reads RULER's lines back from
+    the cache folder rather than running the generators for a minute again."""
+    monkeypatch.setenv("KVLITE_CACHE", str(ruler_cache))
+    assert len(list((ruler_cache / "ruler").glob(f"*-{LENGTH}-n2-seed42-*.jsonl"))) == len(TASKS)
+    monkeypatch.setattr(ruler, "_run", lambda *_: pytest.fail("the generators ran again"))
+    assert ruler.generate(TASKS, 2, LENGTH, smol_path) == generated
 
 
 def test_the_task_table_is_the_packages():

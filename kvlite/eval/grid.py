@@ -288,7 +288,10 @@ class Grid:
             f.flush()
 
     def start(self) -> set:
-        """Ready the output directory; the keys of the cells already recorded there."""
+        """Ready the output directory; the keys of the cells already recorded there. RULER's samples
+        are generated first: a length a task cannot reach leaves no output directory behind."""
+        for model_arg in self.cfg.models:
+            self._ruler(resolve_model(None if model_arg == "default" else model_arg))
         prepare_out(self.out)
         for path in (self.samples_path, self.errors_path):
             if repair_tail(path):
@@ -301,9 +304,7 @@ class Grid:
         """The units of work, (model, sample): all of a sample's cells share its prefill."""
         for model_arg in self.cfg.models:
             path = resolve_model(None if model_arg == "default" else model_arg)
-            generated = [ruler.generate(self.cfg.ruler, self.cfg.n, n, path, self.cfg.seed) if self.cfg.ruler else {}
-                         for n in self.cfg.lengths]  # fmt: skip
-            made = [by_task[t] for t in self.cfg.ruler for by_task in generated]  # a list a task and length
+            made = self._ruler(path)
             model = Model(path, n_gpu_layers=self.cfg.n_gpu_layers)
             try:
                 for kv_type in self.cfg.kv_types:
@@ -311,6 +312,13 @@ class Grid:
                         yield path, model, model_label(path, kv_type), sample
             finally:
                 model.close()
+
+    def _ruler(self, path: pathlib.Path) -> list[list[tasks.Sample]]:
+        """RULER's samples for a model, a list a task and length (generated once, then kept in
+        kvlite's cache folder: ruler.generate)."""
+        generated = [ruler.generate(self.cfg.ruler, self.cfg.n, n, path, self.cfg.seed) if self.cfg.ruler else {}
+                     for n in self.cfg.lengths]  # fmt: skip
+        return [by_task[t] for t in self.cfg.ruler for by_task in generated]
 
     def recorder(self, progress=None) -> Callable[[tuple], None]:
         """Where a unit's events go: ("record", r) and ("error", where, message) to the output

