@@ -45,8 +45,6 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             prm.check(params[field])
         elif names.get(key) == "window" and value == QUESTION:
             params["window"] = QUESTION
-        elif names.get(key) == "budget":
-            raise KvliteError(f"policy '{spec}': a grid's budgets are its --budgets axis, not a spec parameter")
         elif key in names:
             params[names[key]] = declared[names[key]].parse(value)
         else:
@@ -65,6 +63,8 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
     unless a spec says mode=chunked. question_tokens: the sample's closing question's length in
     tokens, for specs with window=question (None: unknown, and such a spec is refused)."""
     name, params = parse_spec(spec)
+    if "budget" in params:
+        raise KvliteError(f"policy '{spec}': a grid's budgets are its --budgets axis, not a spec parameter")
     params.setdefault("mode", "prefill-end")
     params.pop("chunk", None)
     params.pop("evict", None)
