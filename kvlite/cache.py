@@ -147,7 +147,7 @@ def _stack(read, layers: Sequence[int]) -> np.ndarray:
 
 
 class KVCache:
-    def __init__(self, ctx: Context, hidden_layer: int | None = None, lane: int = 0):
+    def __init__(self, ctx: Context, hidden_layer: int | None = None, lane: int = 0, keep_evicted: bool = False):
         """hidden_layer: keep the residual stream after this layer (l_out) for every resident
         token, captured as tokens are decoded and evicted with them (counter-causal fast reads the
         input of the last layer). The context's capture must request it.
@@ -169,6 +169,7 @@ class KVCache:
         # Set by a Runner of its own context: a new context of n cells (and the lookahead's) with
         # the cache's model, settings and capture, for a copied workspace (workspace_create)
         self.workspace_context: Callable[[int], Context] | None = None
+        self.keep_evicted = keep_evicted
         self._init(hidden_layer)
 
     def _init(self, hidden_layer: int | None) -> None:
@@ -181,6 +182,8 @@ class KVCache:
         self.workspace_active = False
         self._side: Context | None = None  # the small context of a copied workspace, while one is active
         self.evicted = 0  # positions evicted from the live sequence so far
+        # keep_evicted: what evict() drops is kept here, bit for bit, for recall() (kvstate.held)
+        self.store: kvstate.SeqState | None = None
         self.max_cells = 0  # the most cells resident at once (live + workspace-only)
 
     # -- what is resident -----------------------------------------------------------------------
@@ -285,6 +288,8 @@ class KVCache:
         if self.n_pos and not keep_mask[self.n_pos - 1]:
             raise KvliteError("the last position must be kept")
         gone = np.flatnonzero(self._live & ~keep_mask)
+        if self.keep_evicted and len(gone):
+            self._keep(gone)
         # One seq_rm per run of consecutive *resident* positions to remove; holes between
         # them are already free, so the range may span them.
         resident = self.positions(LIVE)
@@ -296,6 +301,49 @@ class KVCache:
         self._live[gone] = False
         self.evicted += len(gone)
         return len(gone)
+
+    def _keep(self, gone: np.ndarray) -> None:
+        """The cells about to be evicted, added to the store in the cache's own types."""
+        if self.hidden is not None:
+            raise KvliteError("evicted cells cannot be kept for a policy that scores hidden states")
+        with self._live_file("keeping evicted cells") as sf:
+            kept = kvstate.held(sf.state(self.seqs[LIVE], by_position=True, positions=gone))
+        self.store = kvstate.held(kvstate.merge(self.store, kept))
+
+    @property
+    def stored(self) -> np.ndarray:
+        """The positions whose evicted cells the store holds, ascending."""
+        return np.empty(0, np.int32) if self.store is None else self.store.streams[0].pos
+
+    def recall(self, positions: Iterable[int]) -> int:
+        """Bring stored cells back to the live sequence at their own positions, bit for bit (a
+        sliding-window layer's only where they are still inside its window); returns how many."""
+        pos = np.unique(np.fromiter(positions, dtype=np.int64))
+        if not len(pos):
+            return 0
+        if not np.isin(pos, self.stored).all():
+            raise KvliteError("recall names positions the store does not hold")
+        if len(pos) > self.free:
+            raise KvliteError(f"no room to recall {len(pos)} cells: the context has {self.free} free")
+        window = self.ctx.model.info.n_swa
+        last = self.n_pos - 1
+
+        def back(section: int, p: np.ndarray) -> np.ndarray:
+            return np.isin(p, pos) & ((p > last - window) if section and window else True)
+
+        live = self.seqs[LIVE]
+        with self._live_file("recalling evicted cells") as sf:
+            resident = sf.state(live, by_position=True)
+            try:
+                self.ctx.reload(kvstate.merge(resident, kvstate.select(self.store, back)), live)
+            except KvliteError:
+                self.ctx.seq_rm(live, -1, -1)  # put back what was there: the cache stays consistent
+                self.ctx.state_set(kvstate.build(sf.state(live)), live)
+                raise
+        self.store = kvstate.select(self.store, lambda _, p: ~np.isin(p, pos))
+        self._live[pos] = True
+        self._note_cells()
+        return len(pos)
 
     def compact(self) -> None:
         """Move the live cells to the front of the cell pool in position order, so the attended
@@ -488,4 +536,6 @@ class KVCache:
         end = int(below[-1]) + 1 if len(below) else 0
         self.tokens = self.tokens[:end]
         self._live = self._live[:end]
+        if self.store is not None:  # cells evicted while the forgotten positions were read
+            self.store = kvstate.select(self.store, lambda _, p: p < end)
         self._ws_prompt = self._ws_prompt[:end]

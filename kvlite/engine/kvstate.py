@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import struct
+from collections.abc import Callable
 from typing import BinaryIO
 
 import numpy as np
@@ -249,24 +250,32 @@ class StateFile:
         """Layer il's V rows [cells, n_embd_v] (transposed back when llama.cpp stores V transposed)."""
         return self._read(self.layout.v_at[il], self.layout.v_types[il], order, self.layout.v_trans)
 
-    def state(self, seq_id: int, by_position: bool = False) -> SeqState:
-        """Every section (each one's cells in position order if by_position), e.g. to load it back
-        with `build` or `write`. Its layers are read from the file when used, one at a time, so
-        only while the file is open."""
+    def state(self, seq_id: int, by_position: bool = False, positions: np.ndarray | None = None) -> SeqState:
+        """Every section (each one's cells in position order if by_position; only those at
+        `positions` if given), e.g. to load it back with `build` or `write`. Its layers are read
+        from the file when used, one at a time, so only while the file is open (or `held`)."""
         sections = []
         for lay in self.sections:
             if lay is None:
                 sections.append([None])
                 continue
             idx = np.argsort(lay.pos, kind="stable") if by_position else np.arange(len(lay.pos))
-            k, v = self._layers(lay.k_at, lay.k_types, idx), self._layers(lay.v_at, lay.v_types, idx, lay.v_trans)
+            if positions is not None:
+                idx = idx[np.isin(lay.pos[idx], positions)]
+                if not len(idx):
+                    sections.append([None])
+                    continue
+            n = len(lay.pos)
+            k = self._layers(lay.k_at, lay.k_types, idx, n)
+            v = self._layers(lay.v_at, lay.v_types, idx, n, lay.v_trans)
             sections.append([Stream(pos=lay.pos[idx], seq_ids=[lay.seq_ids[i] for i in idx], v_trans=lay.v_trans,
                                     k_types=lay.k_types, v_types=lay.v_types, k=k, v=v)])  # fmt: skip
         return SeqState(seq_id, sections[0], sections[1:])
 
-    def _layers(self, offsets: list[int], types: list[tuple], idx: np.ndarray, v_trans: int = 0) -> _Layers:
-        """One stream's K (or V) layers, each read from the file when asked for, its cells in idx order."""
-        return _Layers(lambda j: self._read(offsets[j], types[j], idx, v_trans, len(idx)), len(offsets))
+    def _layers(self, offsets: list[int], types: list[tuple], idx: np.ndarray, n: int, v_trans: int = 0) -> _Layers:
+        """One stream's K (or V) layers of n cells, each read from the file when asked for, the
+        cells at idx in that order."""
+        return _Layers(lambda j: self._read(offsets[j], types[j], idx, v_trans, n), len(offsets))
 
     def _read(self, offset: int, desc: tuple, order: np.ndarray | None, v_trans: int = 0, n: int | None = None):
         n = len(self.pos) if n is None else n
@@ -303,6 +312,62 @@ class _Layers:
 
     def __iter__(self):
         return (self.read(j) for j in range(self.n))
+
+
+def held(state: SeqState) -> SeqState | None:
+    """The state with every layer read into memory: it outlives the file it came from."""
+    return select(state, lambda _, pos: np.ones(len(pos), bool))
+
+
+def merge(a: SeqState | None, b: SeqState) -> SeqState:
+    """The cells of two states of one sequence in one context (the same types and layers), at
+    disjoint positions, each section in position order. Layers are joined when read, one at a
+    time, as StateFile.state reads them."""
+    if a is None:
+        return b
+    sections = []
+    for sa, sb in zip(a.sections, b.sections, strict=True):
+        x, y = sa[0], sb[0]
+        if x is None or y is None:
+            sections.append([y if x is None else x])
+            continue
+        if (x.v_trans, x.k_types, x.v_types) != (y.v_trans, y.k_types, y.v_types):
+            raise KvliteError("cannot merge KV states of different cache types or layouts")
+        pos = np.concatenate([x.pos, y.pos])
+        if len(np.unique(pos)) != len(pos):
+            raise KvliteError("cannot merge KV states that hold the same position twice")
+        order = np.argsort(pos, kind="stable")
+        ids = x.seq_ids + y.seq_ids
+        k, v = _joined(x.k, y.k, order), _joined(x.v, y.v, order)
+        sections.append([Stream(pos=pos[order], seq_ids=[ids[i] for i in order], v_trans=x.v_trans,
+                                k_types=x.k_types, v_types=x.v_types, k=k, v=v)])  # fmt: skip
+    return SeqState(b.seq_id, sections[0], sections[1:])
+
+
+def _joined(xs, ys, order: np.ndarray) -> _Layers:
+    return _Layers(lambda j: np.concatenate([xs[j], ys[j]])[order], len(xs))
+
+
+def select(state: SeqState, keep: Callable[[int, np.ndarray], np.ndarray]) -> SeqState | None:
+    """The cells of each section for which keep(section, positions) is True, held in memory (None:
+    no cell left in section 0)."""
+
+    def part(i: int, st: Stream) -> Stream | None:
+        idx = np.flatnonzero(keep(i, st.pos))
+        if not len(idx):
+            return None
+        return dataclasses.replace(st, pos=st.pos[idx], seq_ids=[st.seq_ids[j] for j in idx],
+                                   k=[np.array(k)[idx] for k in st.k], v=[np.array(v)[idx] for v in st.v])  # fmt: skip
+
+    sections = [[None if s[0] is None else part(i, s[0])] for i, s in enumerate(state.sections)]
+    return None if sections[0][0] is None else SeqState(state.seq_id, sections[0], sections[1:])
+
+
+def nbytes(state: SeqState | None) -> int:
+    """Host bytes of a held state's rows."""
+    if state is None:
+        return 0
+    return sum(sum(a.nbytes for a in (*st.k, *st.v)) + st.pos.nbytes for s in state.sections for st in s if st)
 
 
 def build(state: SeqState) -> bytes:
