@@ -80,10 +80,10 @@ class Session:
         self.pool = pool
         self._conversation: Conversation | None = None
 
-    def _runner(self, policy: Policy, n_ctx: int, n_tokens: int, n_predict: int) -> Runner:
+    def _runner(self, policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, recall: int = 0) -> Runner:
         n_ctx, chunk = plan_context(policy, n_ctx, n_tokens, n_predict, self.settings.chunk)
         settings = dataclasses.replace(self.settings, n_ctx=n_ctx, chunk=chunk)
-        return Runner(self.model, policy, settings, pool=self.pool)
+        return Runner(self.model, policy, settings, pool=self.pool, recall=recall)
 
     def generate(
         self,
@@ -123,18 +123,21 @@ class Session:
         finally:
             runner.close()
 
-    def conversation(self, system: str | None = None, evict: str | None = None) -> Conversation:
+    def conversation(self, system: str | None = None, evict: str | None = None, recall: int = 0) -> Conversation:
         """A new conversation on its own context: 4096 cells unless the policy evicts continuously
         (then budget + chunk) or n_ctx says otherwise. The context is the cache's cap.
         evict: "eager" evicts to the budget after every turn is read; "lazy" keeps whole turns
         until the next one would not fit under the cap, then reads it and evicts with its queries;
-        None: evict_mode's default."""
+        None: evict_mode's default. recall: keep what is evicted in host memory, and bring back up
+        to this many of its cells when a turn has been read, those its queries attend most."""
         if self.model.chat_template is None:
             raise KvliteError(f"{self.model.path.name} has no chat template: use `kvlite generate`")
         self.policy.require_cells("a conversation", "a budget")
         evict = evict_mode(evict, self.policy)
         n_ctx = chat_ctx(self.settings.n_ctx, self.policy)
-        return Conversation(self._runner(self.policy, n_ctx, 0, 0), system=system, evict=evict)
+        if recall and self.policy.continuous:
+            raise KvliteError("recall brings cells back after a turn is read: chunked mode evicts as it reads")
+        return Conversation(self._runner(self.policy, n_ctx, 0, 0, recall), system=system, evict=evict)
 
     def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
         """One turn of a conversation; the cache (compressed by the policy) carries over."""
@@ -219,6 +222,10 @@ class Conversation:
             cache.truncate(start)  # forget the half-fed turn; the conversation is as before
             return "", "interrupted"
         self.last = self._describe(cache.evicted - evicted)
+        if runner.recall_cells:  # room for the reply (and a lookahead) stays under the cap
+            room = self.cap - cache.n_resident - n_predict - runner.policy.lookahead_cells()
+            if recalled := runner.recall(room):
+                self.last += f", recalled {recalled}"
         out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
         self.read = len(tokens)
         self.decode_rate = _rate(runner.timings.decode_tokens - timings.decode_tokens,

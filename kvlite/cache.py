@@ -107,11 +107,7 @@ class CachedKV:
         cachetypes.check_head_dim), still rotated (rotations[0]) for a quantized type."""
         order = self.order if cells is None else self.order[cells]
         at = self._at(il)
-        rows = self.file.k(at, order)  # [n, n_head_kv * head_dim] as stored
-        heads = np.ascontiguousarray(rows.reshape(len(order), self.n_head_kv, -1).transpose(1, 0, 2))
-        if heads.dtype not in (np.float32, np.float16):
-            heads = heads.view(np.uint8).reshape(self.n_head_kv, len(order), -1)
-        return self.file.layout.k_types[at][0], heads
+        return self.file.layout.k_types[at][0], heads_first(self.file.k(at, order), self.n_head_kv)
 
     def k_rows(self, il: int) -> np.ndarray:
         """Layer il's K rows [n, n_head_kv * head_dim] (f32 or f16 as stored; other types as f32), in
@@ -133,6 +129,35 @@ class CachedKV:
 
     def close(self) -> None:
         self.file.close()
+
+
+def heads_first(rows: np.ndarray, n_head_kv: int) -> np.ndarray:
+    """K rows [n, n_head_kv * head_dim] as stored -> [n_head_kv, n, head_dim] (f32 or f16), or the
+    bytes [n_head_kv, n, head bytes] of another type."""
+    heads = np.ascontiguousarray(rows.reshape(len(rows), n_head_kv, -1).transpose(1, 0, 2))
+    if heads.dtype not in (np.float32, np.float16):
+        heads = heads.view(np.uint8).reshape(n_head_kv, len(rows), -1)
+    return heads
+
+
+class JointKV:
+    """The resident cells' keys (CachedKV) and the store's evicted ones together, in position order:
+    what a recall scores, as attention would weigh a recalled cell beside the resident ones."""
+
+    def __init__(self, resident: CachedKV, store: kvstate.SeqState):
+        self.resident, self.stored = resident, store.streams[0]
+        self.rotations, self.layers = resident.rotations, resident.layers
+        both = np.concatenate([resident.positions, self.stored.pos])
+        self.order = np.argsort(both, kind="stable")
+        self.positions = both[self.order]
+
+    def layer_blocks(self, il: int) -> tuple[int, np.ndarray]:
+        k_type, heads = self.resident.layer_blocks(il)
+        stored = heads_first(self.stored.k[self.resident._at(il)], self.resident.n_head_kv)
+        return k_type, np.ascontiguousarray(np.concatenate([heads, stored], axis=1)[:, self.order])
+
+    def close(self) -> None:
+        self.resident.close()
 
 
 def _stack(read, layers: Sequence[int]) -> np.ndarray:
@@ -344,6 +369,13 @@ class KVCache:
         self._live[pos] = True
         self._note_cells()
         return len(pos)
+
+    def reread_last(self) -> None:
+        """Decode the last position again in place, so that its logits (the reply's first token)
+        and its cell attend to cells recalled after it was read."""
+        last, live = self.n_pos - 1, self.seqs[LIVE]
+        self.ctx.seq_rm(live, last, last + 1)
+        self.ctx.decode([self.tokens[last]], [last], live, "last")
 
     def compact(self) -> None:
         """Move the live cells to the front of the cell pool in position order, so the attended

@@ -8,12 +8,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .cache import KVCache, Snapshot, copies_workspaces
+from .cache import JointKV, KVCache, Snapshot, copies_workspaces
 from .engine import Capture, Context, Model, Pool, Sampler, SamplingParams
 from .errors import KvliteError
+from .limits import check_int
+from .native import release
 from .policies import FullKV, Policy
-from .policies.observe import Observation
-from .selection import protected_positions, select_keep
+from .policies.observe import Observation, pooled
+from .scoring.aggregate import aggregate
+from .selection import protected_positions, ranked, select_keep
 from .settings import RunSettings
 
 SPLIT_OBSERVED = 64  # a chunk's observed tail gets its own batch when this many tokens precede it
@@ -41,6 +44,7 @@ class Timings:
     evict_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    recall_s: float = 0.0
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -80,9 +84,11 @@ class Runner:
     consistent. settings.n_ctx is the context as allocated (Session plans it; 0 is not allowed)."""
 
     def __init__(self, model: Model, policy: Policy | None = None, settings: RunSettings | None = None,
-                 pool: Pool | None = None):  # fmt: skip
+                 pool: Pool | None = None, recall: int = 0):  # fmt: skip
         """pool: run on a lane of this shared context (a server's conversations) instead of a context
-        of its own; settings.n_ctx is then this conversation's cap, the pool's cells its room."""
+        of its own; settings.n_ctx is then this conversation's cap, the pool's cells its room.
+        recall: keep what is evicted in a host store and bring back up to this many of its cells
+        when a turn has been read (recall())."""
         settings = settings or RunSettings(n_ctx=4096)
         if not settings.n_ctx:
             raise KvliteError("a Runner needs a planned context size (plan_context)")
@@ -99,12 +105,16 @@ class Runner:
             # The capture is switched on and off around the tokens whose queries the policy reads
             # (a hidden-state capture stays on: every token's row is kept).
             self.watches_queries = self.capture is not None and not self.policy.needs_hidden
+            self.recall_cells = check_int("--recall", recall)
+            if recall and not self.watches_queries:
+                raise KvliteError(f"--recall scores evicted cells with the queries of the turn just read: --policy "
+                                  f"{self.policy.name} captures none")  # fmt: skip
             if pool is None:
                 self.ctx = self._context(settings.n_ctx, settings.chunk, swa_full=self.policy.lookahead_cells() > 0)
             else:
                 self.ctx = pool.ctx
             hidden_layer = model.info.n_layer - 2 if self.policy.needs_hidden else None
-            self.cache = KVCache(self.ctx, hidden_layer=hidden_layer, lane=lane)
+            self.cache = KVCache(self.ctx, hidden_layer=hidden_layer, lane=lane, keep_evicted=recall > 0)
             # a pool's lanes keep the shared view: their decodes meet in one batch on one context
             if pool is None and self.policy.lookahead_cells() and copies_workspaces(self.ctx):
                 self.cache.workspace_context = self._workspace_context
@@ -230,6 +240,30 @@ class Runner:
         self._compact()
         self.kept_positions = self.cache.positions()
         return eviction
+
+    def recall(self, room: int) -> int:
+        """Bring back the stored cells that the queries of the tokens just read attend most (their
+        attention beside the resident cells, max over layers and heads), at most recall_cells and
+        room, and read the last token again beside them. Returns how many came back."""
+        n = min(self.recall_cells, room, len(self.cache.stored))
+        if n <= 0 or "q" not in self.observed:
+            return 0
+        t0 = time.perf_counter()
+        keys = JointKV(self.cache.cached_kv(), self.cache.store)
+        try:
+            queries = np.ascontiguousarray(self.observed["q"].transpose(0, 2, 1, 3))  # [L, H, n, D]
+            scores = aggregate(pooled(queries, keys, self.model.info.kq_scale), "max")
+        finally:
+            keys.close()
+            release()
+        stored = np.isin(keys.positions, self.cache.stored)
+        candidates = keys.positions[stored]
+        self.cache.recall(candidates[ranked(candidates, scores[stored])[:n]])
+        self.cache.reread_last()  # the reply's first token sees them too
+        self._next_logits = None  # a lookahead's saved copy of the last token's logits is stale now
+        self.kept_positions = self.cache.positions()
+        self.timings.recall_s += time.perf_counter() - t0
+        return n
 
     def _compact(self) -> None:
         if self._compact_due:

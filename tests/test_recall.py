@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from test_cache_invariants import check
 
-from kvlite.cache import KVCache
+from kvlite.api import Session
+from kvlite.cache import JointKV, KVCache
 from kvlite.engine import LIVE, Context, Model, cachetypes, kvstate
 from kvlite.errors import KvliteError
+from kvlite.policies import KNorm, SnapKV
+from kvlite.reference.scores import attn_pool
 from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
+from kvlite.runner import Runner, RunSettings
+from kvlite.scoring.aggregate import aggregate
 
 N = 60
 KEEP = sorted({0, 1, 2, 3, N - 1} | set(range(10, 20)) | set(range(50, 55)))
@@ -138,3 +145,70 @@ def test_a_forgotten_turn_leaves_no_stored_cell_behind(tiny_model):
     cache.truncate(40)
     end = max(p for p in KEEP if p < 40) + 1
     assert cache.n_pos == end and list(cache.stored) == [p for p in GONE if p < end]
+
+
+# -- what a recall brings back ----------------------------------------------------------------------
+BUDGET, RECALL = 48, 8
+ATOL_SCORES = 1e-4  # pooled probabilities in f32 (native) against float64 (torch): ~1e-6 seen
+
+
+def test_joint_keys_are_the_keys_of_a_cache_that_never_evicted(tiny_model):
+    """What a recall scores: the resident and the stored keys in position order, bit for bit those a
+    cache that kept everything holds."""
+    ctx = _context(tiny_model, "f16")
+    whole = KVCache(ctx)
+    whole.append(_tokens(N))
+    want = whole.cached_kv()
+    cache = KVCache(_context(tiny_model, "f16"), keep_evicted=True)
+    cache.append(_tokens(N))
+    cache.evict(KEEP)
+    joint = JointKV(cache.cached_kv(), cache.store)
+    try:
+        assert list(joint.positions) == list(range(N))
+        for il in want.layers:
+            assert joint.layer_blocks(il)[1].tobytes() == want.layer_blocks(il)[1].tobytes()
+    finally:
+        joint.close()
+        want.close()
+
+
+def test_recall_brings_back_the_stored_cells_the_turn_attends_most(tiny_paths):
+    """The cells recalled are the top RECALL of the evicted ones by the torch twin's attention of the
+    turn's observed queries over every key (kvlite.reference.scores.attn_pool, normalized per layer
+    and head, max over them), computed from a cache that never evicted."""
+    model = Model(tiny_paths["llama"])
+    tokens = _tokens(200, seed=3)
+    runner = Runner(model, SnapKV(budget=BUDGET), RunSettings(n_ctx=256, n_threads=1), recall=RECALL)
+    runner.feed(tokens)
+    kept = set(runner.cache.positions().tolist())
+    evicted = np.array(sorted(set(range(len(tokens))) - kept))
+    queries = torch.from_numpy(runner.observed["q"].transpose(0, 2, 1, 3).astype(np.float64))
+    whole = KVCache(_context(model, "f16"))
+    whole.append(tokens)
+    _, k, _ = whole.read_kv(model.info.full_layers)  # [L, n, Hkv * D]
+    n_layer, n, _ = k.shape
+    keys = torch.from_numpy(k.astype(np.float64).reshape(n_layer, n, model.info.n_head_kv, -1).transpose(0, 2, 1, 3))
+    pooled = attn_pool(queries, keys, model.info.kq_scale).numpy()
+    want = aggregate(pooled, "max")[evicted]
+    order = np.argsort(-want, kind="stable")
+    assert want[order[RECALL - 1]] - want[order[RECALL]] > ATOL_SCORES, "no margin at the cut: pick another seed"
+    assert runner.recall(room=100) == RECALL
+    recalled = set(runner.cache.positions().tolist()) - kept
+    assert recalled == set(evicted[order[:RECALL]].tolist())
+    check(runner.cache)
+    runner.close()
+
+
+def test_an_eager_conversation_with_recall_holds_budget_plus_recall(tiny_paths):
+    """Each turn evicts to the budget, then brings back at most RECALL cells; what kvlite holds is
+    what llama.cpp holds after every turn."""
+    session = Session(tiny_paths["llama"], policy=SnapKV(budget=BUDGET), n_ctx=512, n_threads=1)
+    conv = session.conversation(evict="eager", recall=RECALL)
+    for i, words in enumerate((60, 15, 20)):
+        conv.turn(" ".join(f"w{i}{j}" for j in range(words)), 4, None, lambda: False)
+        cache = conv.runner.cache
+        assert cache.n_resident <= BUDGET + RECALL + 4  # and the reply's tokens
+        check(cache)
+    assert "recalled" in conv.last
+    with pytest.raises(KvliteError, match="captures none"):
+        Session(session.model, policy=KNorm(budget=BUDGET)).conversation(recall=RECALL)

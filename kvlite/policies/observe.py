@@ -24,7 +24,7 @@ from ..selection import ranked
 Queries = np.ndarray | Callable[[int], np.ndarray]  # [L, H, n, D], or layer i's [1, H, n, D] on demand
 
 if TYPE_CHECKING:
-    from ..cache import CachedKV, KVCache
+    from ..cache import CachedKV, JointKV, KVCache
     from ..engine import Model
 
 
@@ -80,10 +80,7 @@ class Observation:
     def pooled(self, queries: Queries, pool_kernel: int = 0) -> np.ndarray:
         """EchoKV Eq. 3 of these queries over every resident cell: [L, Hkv, n], a layer at a time.
         queries: [L, H, n, D], or a function of i giving layer i's [1, H, n, D] (made when scored)."""
-        keys = self.keys
-        layer = queries if callable(queries) else (lambda i: queries[i : i + 1])
-        return np.concatenate([pooled_layer(layer(i), keys, il, self.info.kq_scale, pool_kernel)
-                               for i, il in enumerate(keys.layers)])  # fmt: skip
+        return pooled(queries, self.keys, self.info.kq_scale, pool_kernel)
 
     def token_scores(self, queries: Queries, aggregation: str, pool_kernel: int, budget: int) -> np.ndarray:
         return aggregate(self.pooled(queries, pool_kernel), aggregation, budget)
@@ -174,7 +171,14 @@ class Lookahead:
             self.cache.workspace_drop()
 
 
-def pooled_layer(q: np.ndarray, keys: CachedKV, il: int, scale: float, pool_kernel: int = 0) -> np.ndarray:
+def pooled(queries: Queries, keys: CachedKV | JointKV, scale: float, pool_kernel: int = 0) -> np.ndarray:
+    """EchoKV Eq. 3 of queries over every cell of `keys`: [L, Hkv, n], a layer at a time.
+    queries: [L, H, n, D], or a function of i giving layer i's [1, H, n, D] (made when scored)."""
+    layer = queries if callable(queries) else (lambda i: queries[i : i + 1])
+    return np.concatenate([pooled_layer(layer(i), keys, il, scale, pool_kernel) for i, il in enumerate(keys.layers)])
+
+
+def pooled_layer(q: np.ndarray, keys: CachedKV | JointKV, il: int, scale: float, pool_kernel: int = 0) -> np.ndarray:
     """Eq. 3 of queries q [1, H, n_q, D] over layer il's cached keys, read as llama.cpp stores them:
     a quantized cache's blocks go to the kernel as they are, and the queries are rotated by the
     same Hadamard matrix as its keys ((Hq).(Hk) = q.k), as llama.cpp's own graph does; so no f32
