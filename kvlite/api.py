@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .cache import Snapshot
-from .engine import Model, Pool
+from .engine import Model, Pool, kvstate
 from .engine.model import drop_prefix
 from .errors import KvliteError
 from .evict import asks_something, chat_ctx, evict_mode, make_room
@@ -135,8 +135,6 @@ class Session:
         self.policy.require_cells("a conversation", "a budget")
         evict = evict_mode(evict, self.policy)
         n_ctx = chat_ctx(self.settings.n_ctx, self.policy)
-        if recall and self.policy.continuous:
-            raise KvliteError("recall brings cells back after a turn is read: chunked mode evicts as it reads")
         return Conversation(self._runner(self.policy, n_ctx, 0, 0, recall), system=system, evict=evict)
 
     def chat(self, message: str, n_predict: int = 256, on_text: Callable[[str], None] | None = None) -> str:
@@ -282,6 +280,11 @@ class Conversation:
             f"prefill {t['prefill_tokens']} tok in {t['prefill_s']:.2f} s, "
             f"decode {t['decode_tokens']} tok in {t['decode_s']:.2f} s, eviction {t['evict_s'] * 1000:.1f} ms",
         ]
+        if self.runner.recall_cells:
+            lines.append(
+                f"recall up to {self.runner.recall_cells}: {len(c.stored)} evicted cells stored in host "
+                f"memory ({kvstate.nbytes(c.store) / 2**20:.1f} MiB), recall {t['recall_s'] * 1000:.1f} ms"
+            )
         return "\n".join(lines)
 
     def kept_text(self) -> str:

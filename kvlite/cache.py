@@ -52,6 +52,7 @@ class Snapshot:
     live: np.ndarray
     hidden: np.ndarray | None
     hidden_layer: int | None
+    store: bytes | None = None  # the evicted cells kept for recall (KVCache.store), as a state blob
 
     @property
     def cells(self) -> int:
@@ -61,7 +62,8 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         """Host memory it holds: the cells' bytes in the cache's types, and the hidden states."""
-        return len(self.blob) + (self.hidden.nbytes if self.hidden is not None else 0) + self.live.nbytes
+        hidden = self.hidden.nbytes if self.hidden is not None else 0
+        return len(self.blob) + hidden + self.live.nbytes + len(self.store or b"")
 
 
 class CachedKV:
@@ -510,7 +512,8 @@ class KVCache:
             raise KvliteError("drop the workspace before taking a snapshot")
         hidden = None if self.hidden is None else self.hidden.copy()
         blob = self.ctx.state_get(self.seqs[LIVE])
-        return Snapshot(blob, tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer)
+        store = None if self.store is None else kvstate.build(self.store)
+        return Snapshot(blob, tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer, store)
 
     def restore(self, snap: Snapshot, evicted: int = 0) -> None:
         """Replace the whole cache with a snapshot's live sequence. evicted: how many positions the
@@ -525,6 +528,7 @@ class KVCache:
         self._live = snap.live.copy()
         self._ws_prompt = np.zeros_like(self._live)
         self.hidden = None if self.hidden_layer is None else snap.hidden.copy()
+        self.store = None if snap.store is None or not self.keep_evicted else kvstate.held(kvstate.parse(snap.store))
         self.evicted = evicted
         self._note_cells()
 

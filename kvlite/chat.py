@@ -118,7 +118,8 @@ class Chat:
     def resume(self, saved: SlotFile, name: str) -> None:
         """Continue a saved conversation in place of this one (which stays if that fails)."""
         settings = dataclasses.replace(self.settings, n_ctx=self.settings.n_ctx or saved.cap or 0)
-        conv = Session(self.model, saved.policy(), settings).conversation(self.system, saved.meta["evict"])
+        conv = Session(self.model, saved.policy(), settings).conversation(self.system, saved.meta["evict"],
+                                                                          saved.recall)  # fmt: skip
         try:
             saved.check_layout(conv, name)
             saved.restore(conv, saved.snapshot(conv.runner.cache.hidden_layer))
@@ -169,7 +170,7 @@ class Chat:
 
 def run_chat(model: Model, policy: Policy, settings: RunSettings, n_predict: int, system: str | None = None,
              evict: str | None = None, files: Sequence[tuple[str, str]] = (),
-             saved: tuple[str, SlotFile] | None = None) -> int:  # fmt: skip
+             saved: tuple[str, SlotFile] | None = None, recall: int = 0) -> int:  # fmt: skip
     """The REPL on a loaded model: first the saved conversation (saved: its name and file), then
     the files as messages (files: each one's path and text, read_document's), then what the user
     types."""
@@ -177,7 +178,7 @@ def run_chat(model: Model, policy: Policy, settings: RunSettings, n_predict: int
     if saved is not None:
         chat.resume(saved[1], saved[0])
     else:
-        chat.conv = Session(model, policy, settings).conversation(system, evict)
+        chat.conv = Session(model, policy, settings).conversation(system, evict, recall)
     note(f"kvlite chat: {model.info.name}, policy {chat.conv.runner.policy.name}. /help lists the commands; "
          "a paste is one message; Ctrl-D leaves")  # fmt: skip
     for path, text in files:

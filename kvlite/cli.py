@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
     p.add_argument("-f", "--file", action="append", metavar="FILE",
                    help="read FILE as a message before the prompt appears (again for more, in order)")  # fmt: skip
+    p.add_argument("--recall", type=int, default=None, metavar="N",
+                   help="keep evicted cells in host memory and bring back up to N of them when a turn has been "
+                   "read, those its queries attend most (docs/policies.md, Recall; off by default)")  # fmt: skip
     p.add_argument("--load", default=None, metavar="NAME",
                    help="continue a conversation saved with /save NAME (a name, or a path with a slash)")  # fmt: skip
     p.set_defaults(policy=None)  # --load takes the saved one; else full
@@ -325,6 +328,7 @@ def _summary(g) -> str:
 
 def cmd_chat(args) -> int:
     from .chat import read_document, read_saved, run_chat
+    from .evict import check_recall
     from .models import resolve_model
 
     needs_stdout("the replies")
@@ -343,15 +347,17 @@ def cmd_chat(args) -> int:
     policy.require_cells("kvlite chat")
     settings = _settings_from_args(args)
     _note_ctx(settings.n_ctx)
+    recall = check_recall(args.recall or 0, policy)  # before the model loads
     return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict,
-                    files=files, saved=saved)  # fmt: skip
+                    files=files, saved=saved, recall=recall)  # fmt: skip
 
 
 def _policy_flags(args) -> list[tuple[str, object]]:
     """The policy's flags and their values (None: not given)."""
     from .policies import ALL_PARAMS
 
-    flags = [("--policy", args.policy), ("--cache", args.cache), ("--evict", getattr(args, "evict", None))]
+    flags = [("--policy", args.policy), ("--cache", args.cache), ("--evict", getattr(args, "evict", None)),
+             ("--recall", getattr(args, "recall", None))]  # fmt: skip
     return flags + [(prm.flag, getattr(args, name)) for name, prm in ALL_PARAMS.items()]
 
 

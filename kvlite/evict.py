@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .errors import KvliteError
+from .limits import check_int
 
 if TYPE_CHECKING:  # light to import: the CLI builds its flags from MODES before loading llama.cpp
     from .policies import Policy
@@ -50,6 +51,19 @@ def evict_mode(evict: str | None, policy: Policy) -> str:
     if evict == "lazy" and not lazy_applies:
         raise KvliteError("--evict lazy needs a prefill-end policy with a --budget (chunked mode evicts as it reads)")
     return evict
+
+
+def check_recall(recall: object, policy: Policy, flag: str = "--recall") -> int:
+    """How many evicted cells a conversation may bring back after a turn (0: none, the default):
+    scored with the queries of the turn just read, so only for a policy that captures them, and
+    not in chunked mode, which evicts while it reads."""
+    recall = check_int(flag, recall)
+    if recall and policy.continuous:
+        raise KvliteError(f"{flag} brings cells back after a turn is read: chunked mode evicts as it reads")
+    if recall and not policy.observes_queries:
+        raise KvliteError(f"{flag} scores evicted cells with the queries of the turn just read: --policy "
+                          f"{policy.name} captures none (snapkv, tova, h2o, laq, echokv and kvzip do)")  # fmt: skip
+    return recall
 
 
 def chat_ctx(n_ctx: int, policy: Policy) -> int:

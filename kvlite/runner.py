@@ -11,7 +11,7 @@ import numpy as np
 from .cache import JointKV, KVCache, Snapshot, copies_workspaces
 from .engine import Capture, Context, Model, Pool, Sampler, SamplingParams
 from .errors import KvliteError
-from .limits import check_int
+from .evict import check_recall
 from .native import release
 from .policies import FullKV, Policy
 from .policies.observe import Observation, pooled
@@ -105,10 +105,7 @@ class Runner:
             # The capture is switched on and off around the tokens whose queries the policy reads
             # (a hidden-state capture stays on: every token's row is kept).
             self.watches_queries = self.capture is not None and not self.policy.needs_hidden
-            self.recall_cells = check_int("--recall", recall)
-            if recall and not self.watches_queries:
-                raise KvliteError(f"--recall scores evicted cells with the queries of the turn just read: --policy "
-                                  f"{self.policy.name} captures none")  # fmt: skip
+            self.recall_cells = check_recall(recall, self.policy)
             if pool is None:
                 self.ctx = self._context(settings.n_ctx, settings.chunk, swa_full=self.policy.lookahead_cells() > 0)
             else:

@@ -34,8 +34,15 @@ class SlotFile:
     def snapshot(self, hidden_layer: int | None) -> Snapshot:
         """The sequence, for a cache that keeps hidden states of hidden_layer (None: none)."""
         a = self.arrays
+        store = a["store"].tobytes() if "store" in a else None
         return Snapshot(a["blob"].tobytes(), tuple(int(t) for t in a["tokens"]), a["live"], a.get("hidden"),
-                        hidden_layer if "hidden" in a else None)  # fmt: skip
+                        hidden_layer if "hidden" in a else None, store)  # fmt: skip
+
+    @property
+    def recall(self) -> int:
+        """The conversation's recall (Session.conversation's), 0 in a file from before it."""
+        recall = self.meta.get("recall", 0)
+        return recall if isinstance(recall, int) and not isinstance(recall, bool) and recall >= 0 else 0
 
     def policy(self) -> Policy:
         try:
@@ -87,11 +94,14 @@ def write_slot_file(path: pathlib.Path, conv: Conversation, model: Model, parked
     meta = {"format": SLOT_FORMAT, "model": model.path.name, "model_bytes": model.path.stat().st_size,
             "policy": runner.policy.name, "params": policy_params(runner.policy), "evict": conv.evict,
             "messages": conv.messages, "rendered": conv.rendered, "conversation_id": conversation_id,
-            "evicted": evicted, "cache": cache_layout(runner.ctx), "cap": conv.cap}  # fmt: skip
+            "evicted": evicted, "cache": cache_layout(runner.ctx), "cap": conv.cap,
+            "recall": runner.recall_cells}  # fmt: skip
     arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), "live": snap.live,
               "tokens": np.asarray(snap.tokens, np.int32), "blob": np.frombuffer(snap.blob, np.uint8)}  # fmt: skip
     if snap.hidden is not None:
         arrays["hidden"] = snap.hidden
+    if snap.store is not None:
+        arrays["store"] = np.frombuffer(snap.store, np.uint8)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:

@@ -163,6 +163,19 @@ CASES = {
         None,
         "kvlite serve needs --budget in KV cells",
     ),  # fmt: skip
+    # issue 61: recall in a chat
+    "chat --recall with knorm": (
+        ["chat", "-m", TINY, "--policy", "knorm", "--budget", "64", "--recall", "8"],
+        b"",
+        None,
+        "--policy knorm captures none",
+    ),  # fmt: skip
+    "chat --recall -1": (
+        ["chat", "-m", TINY, "--policy", "snapkv", "--budget", "64", "--recall", "-1"],
+        b"",
+        None,
+        "--recall must be in 0..",
+    ),  # fmt: skip
     "-c 4": (["generate", "-m", TINY, "-p", "hi", "-c", "4"], None, None, "at least 256 cells"),
     "-c -1": (["generate", "-m", TINY, "-p", "hi", "-c", "-1"], None, None, "-c must be >= 0"),
     "full --mode chunked": (

@@ -21,6 +21,7 @@ from kvlite.reference.scores import attn_pool
 from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
 from kvlite.runner import Runner, RunSettings
 from kvlite.scoring.aggregate import aggregate
+from kvlite.slotfile import read_slot_file, write_slot_file
 
 N = 60
 KEEP = sorted({0, 1, 2, 3, N - 1} | set(range(10, 20)) | set(range(50, 55)))
@@ -212,3 +213,23 @@ def test_an_eager_conversation_with_recall_holds_budget_plus_recall(tiny_paths):
     assert "recalled" in conv.last
     with pytest.raises(KvliteError, match="captures none"):
         Session(session.model, policy=KNorm(budget=BUDGET)).conversation(recall=RECALL)
+
+
+def test_a_slot_file_carries_the_store(tiny_paths, tmp_path):
+    """/save and /load (and a server's slot files): the evicted cells come back with the
+    conversation, bit for bit, and its recall with them."""
+    model = Model(tiny_paths["llama"])
+    session = Session(model, policy=SnapKV(budget=BUDGET), n_ctx=512, n_threads=1)
+    conv = session.conversation(evict="eager", recall=RECALL)
+    conv.turn(" ".join(f"w{j}" for j in range(60)), 2, None, lambda: False)
+    before = conv.runner.cache.stored.copy(), kvstate.build(conv.runner.cache.store)
+    path = tmp_path / "saved.slot"
+    write_slot_file(path, conv, model)
+    saved = read_slot_file(path, str(tmp_path), model.path)
+    assert saved.recall == RECALL
+    again = Session(model, policy=saved.policy(), n_ctx=512, n_threads=1).conversation("", "eager", saved.recall)
+    saved.restore(again, saved.snapshot(None))
+    cache = again.runner.cache
+    assert np.array_equal(cache.stored, before[0]) and kvstate.build(cache.store) == before[1]
+    assert cache.recall(before[0][:3]) == 3
+    check(cache)

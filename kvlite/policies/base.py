@@ -202,6 +202,11 @@ class Policy:
     def observed_tokens(self) -> int:
         return 0
 
+    @property
+    def observes_queries(self) -> bool:
+        """Whether the runner captures queries of the tokens read last for this policy."""
+        return (self.observed_tokens() > 0 or self.lookahead_cells() > 0) and not self.needs_hidden
+
     def lookahead_cells(self) -> int:
         """Cells the policy's lookahead decodes on the workspace need beside the prompt."""
         return 0
