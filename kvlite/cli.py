@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
     p.add_argument("-a", "--alias", default=None, help="the model's id in /v1/models and responses")
     p.add_argument("--max-tokens", type=int, default=4096, help="the most max_tokens a request may ask for")
+    p.add_argument("--recall", type=int, default=0, metavar="N",
+                   help="keep evicted cells in host memory and bring back up to N when a turn has been read "
+                   "(a request's kv_recall sets its own; docs/policies.md, Recall; off by default)")  # fmt: skip
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="where POST /slots/ID?action=save|restore keeps slot files (off without it)")  # fmt: skip
 
@@ -372,11 +375,13 @@ def cmd_serve(args) -> int:
         raise KvliteError(f"kvlite serve needs the serve extra ({e.name} is missing): pip install 'kvlite[serve]' "
                           "or bash scripts/setup.sh --serve") from None  # fmt: skip
     from .engine.model import offloaded_layers
+    from .evict import check_recall
     from .serve import ServeConfig
     from .serve.app import serve
 
     policy, settings = _policy_from_args(args), _settings_from_args(args)  # checked before the port is taken
     policy.require_cells("kvlite serve")  # its default holds for conversations; a completion may ask a share
+    check_recall(args.recall, policy)
     _note_ctx(settings.n_ctx)
     _add_rpc(args.rpc)
     _note_ngl(args.n_gpu_layers, offloaded_layers(args.n_gpu_layers, 1))  # the model itself loads once serving
@@ -388,7 +393,7 @@ def cmd_serve(args) -> int:
                       n_predict=args.n_predict, max_tokens=args.max_tokens, slots=args.slots, queue=args.queue,
                       api_key=args.api_key, n_gpu_layers=args.n_gpu_layers, extra_bufts=args.extra_bufts,
                       model_alias=args.alias, slot_save_path=args.slot_save_path,
-                      kv_cells=args.kv_cells)  # fmt: skip
+                      kv_cells=args.kv_cells, recall=args.recall)  # fmt: skip
     return serve(cfg)
 
 

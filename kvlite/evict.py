@@ -61,7 +61,7 @@ def check_recall(recall: object, policy: Policy, flag: str = "--recall") -> int:
     if recall and policy.continuous:
         raise KvliteError(f"{flag} brings cells back after a turn is read: chunked mode evicts as it reads")
     if recall and not policy.observes_queries:
-        raise KvliteError(f"{flag} scores evicted cells with the queries of the turn just read: --policy "
+        raise KvliteError(f"{flag} scores evicted cells with the queries of the turn just read: policy "
                           f"{policy.name} captures none (snapkv, tova, h2o, laq, echokv and kvzip do)")  # fmt: skip
     return recall
 

@@ -168,7 +168,13 @@ CASES = {
         ["chat", "-m", TINY, "--policy", "knorm", "--budget", "64", "--recall", "8"],
         b"",
         None,
-        "--policy knorm captures none",
+        "policy knorm captures none",
+    ),  # fmt: skip
+    "serve --recall with knorm": (
+        ["serve", "-m", TINY, "--policy", "knorm", "--budget", "64", "--recall", "8", "--port", "{port}"],
+        None,
+        None,
+        "policy knorm captures none",
     ),  # fmt: skip
     "chat --recall -1": (
         ["chat", "-m", TINY, "--policy", "snapkv", "--budget", "64", "--recall", "-1"],

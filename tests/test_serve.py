@@ -165,6 +165,10 @@ BAD = [
         "-token prompt is 1 cell: ",
     ),  # fmt: skip
     ({"messages": FRANCE, "kv_bugdet": 64}, 400, "kv_bugdet"),
+    # issue 61: recall
+    ({"messages": FRANCE, "kv_policy": "knorm", "kv_budget": 64, "kv_recall": 8}, 400, "knorm captures none"),
+    ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 64, "kv_recall": -1}, 400, "kv_recall must be in 0.."),
+    ({"prompt": "The capital of France is", "kv_recall": 8}, 400, "a completion has none"),
     # issue 60: a budget past the context is refused before a stream's 200, as without a stream
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 5000}, 400, "kv_budget 5000 does not fit"),
     ({"messages": FRANCE, "kv_policy": "snapkv", "kv_budget": 5000, "stream": True}, 400, "kv_budget 5000 does not"),
@@ -204,6 +208,17 @@ def test_a_completions_budget_as_a_share_of_the_prompt(live, smol_model):
     r = live.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "kv_policy": "snapkv", "kv_budget": "25%"})
     k = r.json()["kvlite"]
     assert (k["budget"], k["budget_share"], k["evicted_cells"]) == (n // 4, "25%", n - n // 4)
+
+
+def test_a_conversation_with_recall_keeps_what_it_evicts(live):
+    """kv_recall 16 under SnapKV at 64 cells (this server evicts eagerly): the turn's evicted cells
+    are stored, and at most 16 come back beside the budget."""
+    words = " ".join(f"item{i}" for i in range(300))
+    body = {"messages": [{"role": "user", "content": f"{words}. Which item came first?"}], "max_tokens": 4,
+            "kv_policy": "snapkv", "kv_budget": 64, "kv_recall": 16}  # fmt: skip
+    k = live.post("/v1/chat/completions", body).json()["kvlite"]
+    assert k["recall"] == 16 and k["stored_cells"] == k["evicted_cells"] - 16
+    assert k["kept_cells"] <= 64 + 16 + 4
 
 
 def test_keys_and_limits(live):

@@ -36,6 +36,7 @@ class ServeConfig:
     extra_bufts: bool = False
     model_alias: str | None = None
     slot_save_path: str | None = None  # where /slots/{id}?action=save|restore reads and writes
+    recall: int = 0  # evicted cells a conversation's turn may bring back (kvlite.evict.check_recall)
 
     def __post_init__(self):
         if self.slots < 1:
@@ -54,6 +55,7 @@ class ServeConfig:
         if self.slot_save_path is not None and not pathlib.Path(self.slot_save_path).is_dir():
             raise KvliteError(f"--slot-save-path {self.slot_save_path} is not a directory")
         check_int("--max-tokens", self.max_tokens)
+        check_int("--recall", self.recall)  # against the policy: cmd_serve and each request (parse_request)
         check_int("-n", self.n_predict, 0, self.max_tokens)
         if self.api_key is not None and not self.api_key.strip():
             raise KvliteError("--api-key is empty: give a key, or leave the flag out to serve without one")

@@ -12,7 +12,7 @@ from typing import Any
 from ..api import ROLES, check_text
 from ..engine import SamplingParams
 from ..errors import KvliteError
-from ..evict import chat_ctx
+from ..evict import chat_ctx, check_recall
 from ..policies import ALL_PARAMS, Policy, check_budget, make_policy
 from ..settings import check_budget_fits
 from .config import ServeConfig
@@ -121,6 +121,7 @@ class Ask:
     stream: bool
     conversation_id: str | None = None
     budget_share: str | None = None  # kv_budget as asked ("2%"), where the policy's budget is its cells
+    recall: int = 0  # kv_recall: evicted cells a conversation's turn may bring back
 
 
 def parse_request(body: dict, cfg: ServeConfig, default_sampling: SamplingParams) -> Ask:
@@ -151,8 +152,15 @@ def parse_request(body: dict, cfg: ServeConfig, default_sampling: SamplingParams
     if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings", param="stop")
     cid = field(body, "conversation_id", str, None)
+    policy = parse_policy(body, cfg)
+    recall = field(body, "kv_recall", int, cfg.recall if policy.name == cfg.policy else 0)
+    try:
+        recall = check_recall(recall, policy, "kv_recall")
+    except KvliteError as e:
+        raise ApiError(400, str(e), param="kv_recall") from None
     return Ask(
-        policy=parse_policy(body, cfg),
+        policy=policy,
+        recall=recall,
         n_predict=n,
         sampling=sampling,
         stop=stop,
@@ -165,8 +173,8 @@ def parse_policy(body: dict, cfg: ServeConfig) -> Policy:
     """kv_policy, kv_budget and the policy's parameters under their Python API names; what a
     request leaves out comes from the server's flags (those of another policy do not carry over)."""
     for key in body:
-        if key.startswith("kv_") and key not in ("kv_policy", "kv_budget"):
-            raise ApiError(400, f"unknown field '{key}': kv_policy, kv_budget, or a policy parameter "
+        if key.startswith("kv_") and key not in ("kv_policy", "kv_budget", "kv_recall"):
+            raise ApiError(400, f"unknown field '{key}': kv_policy, kv_budget, kv_recall, or a policy parameter "
                            f"({', '.join(p for p in ALL_PARAMS if p != 'budget')})", param=key)  # fmt: skip
     if "budget" in body:
         raise ApiError(400, "the budget is 'kv_budget'", param="budget")

@@ -84,6 +84,9 @@ async def completion(request: Request, server: Server, endpoint: str, parse_inpu
     body = await body_of(request, server)
     server.metrics.count(endpoint)
     given = parse_input(body)
+    if endpoint == "completions" and body.get("kv_recall"):
+        raise ApiError(400, "kv_recall brings evicted cells back to a conversation's next turn: a completion has "
+                       "none (use /v1/chat/completions)", param="kv_recall")  # fmt: skip
     req = parse_request(body, server.cfg, server.default_sampling)
     if req.policy.share:  # in cells before a stream's 200, so that a share that cannot run is a 400
         req = server.for_prompt(given, req)

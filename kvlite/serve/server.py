@@ -165,8 +165,8 @@ class Server:
             return ApiError(500, f"the model could not be loaded: {self.load_error}", kind="server_error")
         return ApiError(503, "Loading model", kind="unavailable_error")
 
-    def _conversation(self, policy, evict: str | None) -> Conversation:
-        conv = Session(self.model, policy, self.cfg.settings, pool=self.pool).conversation(evict=evict)
+    def _conversation(self, policy, evict: str | None, recall: int = 0) -> Conversation:
+        conv = Session(self.model, policy, self.cfg.settings, pool=self.pool).conversation(evict=evict, recall=recall)
         if self.pool is not None and conv.cap + policy.lookahead_cells() > self.pool.ctx.n_ctx:
             conv.runner.close()
             raise KvliteError(f"a conversation's cap of {conv.cap} cells (-c) does not fit in --kv-cells "
@@ -178,7 +178,8 @@ class Server:
         reply and a lookahead's, up to its cap."""
         conv = slot.conversation
         held = slot.parked[0].cells if slot.parked else conv.runner.cache.n_cells
-        return min(conv.cap, held + conv.pending_tokens(new) + n_predict) + conv.runner.policy.lookahead_cells()
+        turn = conv.pending_tokens(new) + n_predict + conv.runner.recall_cells
+        return min(conv.cap, held + turn) + conv.runner.policy.lookahead_cells()
 
     def _admit(self, need: int, slot: Slot | None) -> None:
         """Wait (holding self.room) until `need` of the pool's cells are the turn's: the turns running
@@ -237,11 +238,12 @@ class Server:
             while self.slot_table.busy_with(req.conversation_id):  # the same conversation's last request
                 self.room.wait()
             try:  # a policy the chat modes cannot run is refused here
-                key = slot_key(req.policy, evict_mode(self.cfg.evict, req.policy))
-                slot, new = self.slot_table.pick(messages, key, req.conversation_id,
-                                                 lambda: self._conversation(req.policy, self.cfg.evict))  # fmt: skip
+                key = slot_key(req.policy, evict_mode(self.cfg.evict, req.policy), req.recall)
+                make = lambda: self._conversation(req.policy, self.cfg.evict, req.recall)  # noqa: E731
+                slot, new = self.slot_table.pick(messages, key, req.conversation_id, make)
             except KvliteError as e:
                 raise ApiError(400, str(e)) from None
+            slot.conversation.runner.recall_cells = req.recall  # how many come back is this request's
             slot.busy = True
             try:
                 if self.pool is not None:
@@ -294,7 +296,7 @@ class Server:
         prompt_tokens = runner.cache.n_pos - generated  # every reply token is decoded into the cache
         info = report(repr(runner.policy), runner.cache_report(0, before), t, prompt_tokens, t["prefill_tokens"],
                       peak[0], slot=slot.id, conversation_id=slot.conversation_id, evict=conv.evict,
-                      cap=conv.cap)  # fmt: skip
+                      cap=conv.cap, recall=runner.recall_cells, stored_cells=len(runner.cache.stored))  # fmt: skip
         return Result(text, finish_reason(stopped), prompt_tokens, generated, info)
 
     # -- completions ------------------------------------------------------------------------------
@@ -386,7 +388,7 @@ class Server:
             try:
                 policy = saved.policy()
                 with self.room:
-                    conv = self._conversation(policy, meta["evict"])
+                    conv = self._conversation(policy, meta["evict"], saved.recall)
                 saved.check_layout(conv, path.name)
                 snap = saved.snapshot(conv.runner.cache.hidden_layer)
                 if self.pool is not None:  # its cells, beside the conversation it replaces, others parked
@@ -402,7 +404,7 @@ class Server:
                     raise ApiError(400, f"{path.name} cannot be restored: {e}") from None
                 raise
             with self.room:
-                slot.hold(conv, slot_key(policy, conv.evict), meta["conversation_id"])
+                slot.hold(conv, slot_key(policy, conv.evict, saved.recall), meta["conversation_id"])
             slot.last_used = time.time()
         ms = (time.perf_counter() - t0) * 1000
         return {"id_slot": slot_id, "filename": path.name, "n_restored": len(snap.tokens),

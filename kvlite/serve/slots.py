@@ -99,9 +99,10 @@ class Slot:
         self.parked = None
 
 
-def slot_key(policy: Policy, evict: str) -> str:
-    """Which requests may continue a slot's conversation: those under the same policy and mode."""
-    return f"{policy!r} {evict}"
+def slot_key(policy: Policy, evict: str, recall: int = 0) -> str:
+    """Which requests may continue a slot's conversation: those under the same policy and mode, and
+    alike in keeping evicted cells for recall or not (how many come back is each request's)."""
+    return f"{policy!r} {evict}" + (" recall" if recall else "")
 
 
 class Slots:
