@@ -391,6 +391,23 @@ def test_multi_turn_tasks_run_per_turn_in_both_modes(tiny_paths, tmp_path):
         parse_spec("snapkv(evict=sometimes)")
 
 
+def test_recall_is_a_grid_axis_of_multi_turn_tasks(tiny_paths, tmp_path):
+    """snapkv(recall=8): each eager turn evicts to the budget, then brings back at most 8 cells;
+    the record says how many cells the store held and its bytes."""
+    cfg = grid_cfg(tiny_paths, tmp_path, tasks=["chat"], n=1, policies=["snapkv", "snapkv(recall=8)"], budgets=[48],
+                   n_predict=None)  # fmt: skip
+    grid = Grid(cfg)
+    grid.run()
+    assert grid.failures == 0
+    (r,) = [r for r in read_records(tmp_path) if r["policy"] == "snapkv(recall=8)"]
+    assert r["recall"] == 8 and r["stored_cells"] > 0 and r["store_bytes"] > 0 and r["max_cells"] <= r["cap"]
+    assert any("recalled" in turn for turn in r["turns"])
+    for bad, words in ((dict(tasks=["single"]), "multi-turn tasks only"),
+                       (dict(tasks=["chat"], policies=["knorm(recall=8)"]), "knorm captures none")):  # fmt: skip
+        with pytest.raises(KvliteError, match=words):
+            grid_cfg(tiny_paths, tmp_path / "x", **{"policies": ["snapkv(recall=8)"], **bad}).validate()
+
+
 @pytest.mark.parametrize("spec", ["snapkv", "snapkv(evict=lazy)", "kvzip(C=64)", "echokv(T=4,B1=96,evict=lazy)", "h2o"])
 def test_a_conversation_from_shared_work_equals_one_that_does_it_all(tiny_model, spec):
     """The grid reads a conversation's document once (multiturn.read_document) and shares the first

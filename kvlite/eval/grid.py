@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from ..engine import Model
 from ..engine.cachetypes import CACHE_TYPES
 from ..errors import KvliteError
-from ..evict import GRID_DEFAULT
+from ..evict import GRID_DEFAULT, check_recall
 from ..limits import INT32_MAX, Budget, cells_for, check_int, check_threads, parse_budget
 from ..models import resolve_model
 from . import longbench, multiturn, ruler, tasks
@@ -148,6 +148,13 @@ class GridConfig:
         for t in self.tasks:
             if tasks.task_kind(t)[0].multi_turn and any(isinstance(b, str) for b in self.budgets):
                 raise KvliteError(f"--tasks {t}: a conversation's budget is in cells (a share needs one prompt)")
+        single = self.data or self.ruler or [t for t in self.tasks if not tasks.task_kind(t)[0].multi_turn]
+        for spec in self.policies:
+            if run_params(spec).get("recall"):
+                if single:
+                    raise KvliteError(f"--policies {spec}: recall brings cells back to a conversation's next turn: "
+                                      "multi-turn tasks only (--tasks chat)")  # fmt: skip
+                check_recall(run_params(spec)["recall"], policy_for(spec, 1 << 20), f"--policies {spec}: recall")
         for t in self.ruler:
             ruler.family(t)
         if self.ruler:
@@ -393,7 +400,7 @@ class Grid:
                 t0 = time.perf_counter()
                 cells = cells_for(budget, len(prompt.tokens))
                 policy = policy_for(spec, cells, prompt.question_tokens)
-                record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))
+                record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))  # recall: refused
                 if isinstance(budget, str):
                     record["budget_cells"] = cells
                 if emitted and not prefix_told and run.prefix_s is not None:
@@ -437,9 +444,10 @@ class Grid:
             where = {**base, "policy": spec, "budget": budget}
             try:
                 policy = policy_for(spec, budget)
-                evict = run_params(spec).get("evict", GRID_DEFAULT) if budget is not None else "eager"
+                run = run_params(spec)
+                evict = run.get("evict", GRID_DEFAULT) if budget is not None else "eager"
                 record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads, document,
-                                                    (memo, spec), kv_type)  # fmt: skip
+                                                    (memo, spec), kv_type, run.get("recall", 0))  # fmt: skip
                 emit(("record", {**where, **record}))
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))

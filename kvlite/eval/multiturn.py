@@ -12,7 +12,7 @@ import numpy as np
 
 from ..api import Conversation, Session
 from ..cache import Snapshot
-from ..engine import Model, SamplingParams
+from ..engine import Model, SamplingParams, kvstate
 from ..limits import DEFAULT_CHUNK
 from ..policies import Policy
 from ..policies.observe import Observation
@@ -75,6 +75,7 @@ def run_conversation(
     document: Snapshot | None = None,
     memo: tuple[dict, str] | None = None,
     kv_type: str = "f16",
+    recall: int = 0,
 ) -> dict:
     """document: read_document's snapshot (None: the cell reads the document itself; a chunked
     policy, which evicts as it reads, always does). memo: a dict shared by the cells of one
@@ -86,7 +87,7 @@ def run_conversation(
     n_ctx = conversation_cap(model, sample, policy)
     settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads,
                            type_k=kv_type, type_v=kv_type)  # fmt: skip
-    conv = Session(model, policy, settings).conversation(evict=evict)
+    conv = Session(model, policy, settings).conversation(evict=evict, recall=recall)
     if document is not None and not policy.continuous:
         conv.start_from(document)
     outputs, scores, status = [], [], []
@@ -110,6 +111,16 @@ def run_conversation(
             "cap": conv.cap,
             "max_cells": cache.max_cells,
             "evicted": cache.evicted,
+            **(
+                {
+                    "recall": recall,
+                    "stored_cells": len(cache.stored),
+                    "store_bytes": kvstate.nbytes(cache.store),
+                    "recall_s": t.recall_s,
+                }
+                if recall
+                else {}
+            ),  # fmt: skip
             "workspace_forward_passes": conv.runner.workspace_forward_passes,
             "prefill_tokens": t.prefill_tokens,  # read by this cell (a shared document's are not)
             "scores_reused": bool(getattr(policy, "reused", False)),

@@ -22,6 +22,8 @@ RUN_PARAMS = {
     "chunk": ("chunk", Param("h", "chunked mode's refresh interval", minimum=1)),
     # multi-turn tasks: the chat's eviction mode (kvlite chat --evict; a spec without it: GRID_DEFAULT)
     "evict": ("evict", Param("evict", "chat eviction mode", type=str, choices=MODES)),
+    # multi-turn tasks: evicted cells a turn brings back (kvlite chat --recall; default 0, none)
+    "recall": ("recall", Param("recall", "evicted cells a chat turn brings back", minimum=0)),
 }
 QUESTION = "question"
 
@@ -48,7 +50,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         elif key in names:
             params[names[key]] = declared[names[key]].parse(value)
         else:
-            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h", "evict"])
+            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h", "evict", "recall"])
             raise KvliteError(f"policy '{spec}' has no parameter {key}: its parameters are {known}")
     return m.group(1), params
 
@@ -66,8 +68,8 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
     if "budget" in params:
         raise KvliteError(f"policy '{spec}': a grid's budgets are its --budgets axis, not a spec parameter")
     params.setdefault("mode", "prefill-end")
-    params.pop("chunk", None)
-    params.pop("evict", None)
+    for run_param in ("chunk", "evict", "recall"):
+        params.pop(run_param, None)
     protect = params.get("window") == QUESTION
     if protect:
         if question_tokens is None:
@@ -83,8 +85,9 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
 
 
 def run_params(spec: str) -> dict:
-    """The cell settings a spec carries (chunk h for chunked mode, evict for multi-turn tasks)."""
-    return {k: v for k, v in parse_spec(spec)[1].items() if k in ("chunk", "evict")}
+    """The cell settings a spec carries (chunk h for chunked mode; evict and recall for multi-turn
+    tasks)."""
+    return {k: v for k, v in parse_spec(spec)[1].items() if k in ("chunk", "evict", "recall")}
 
 
 def budget_order(budget: Budget | None) -> tuple:
