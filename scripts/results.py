@@ -162,7 +162,20 @@ def stages(quick: bool = False) -> list[Stage]:
     # own: no choice is made on it), at kvpress's ratios 0.75 and 0.875 and at 2%
     out += [stage(f"ruler-{m}-{length}", MODELS[m], [], length, N_RULER, "test", ruler_policies(), RULER_BUDGETS,
                   ruler=list(ruler.TASKS)) for m, length in RULER_RUNS]  # fmt: skip
+    # Issue 61: recall in a chat, on the multi-turn test split at 256 cells (no choice is made on it:
+    # recall stays off by default), the chat-test stages' samples and lazy cells again for pairing
+    out += [stage(f"recall-test-{m}-1024", MODELS[m], CHAT_TASKS, 1024, n, "test", recall_policies(), [RECALL_BUDGET])
+            for m, n in (("smol", 12), ("qwen", 8))]  # fmt: skip
     return out
+
+
+RECALL_BUDGET, RECALLS = 256, (64, 128)
+
+
+def recall_policies() -> list[str]:
+    """LAQ and EchoKV in lazy mode without and with recall, and eager mode with the larger recall."""
+    lazy = [f"{p}(evict=lazy{f',recall={n}' if n else ''})" for p in ("laq", "echokv") for n in (0, *RECALLS)]
+    return ["full", *lazy, *(f"{p}(evict=eager,recall={RECALLS[-1]})" for p in ("laq", "echokv"))]
 
 
 RULER_RUNS = [("smol", 4096), ("gemma", 4096), ("qwen", 4096)]
@@ -691,6 +704,42 @@ def chat_claims(records: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + report.compare_markdown(records, pairs, BUDGETS, group)
 
 
+def recall_section(records: list[dict]) -> str:
+    """Per model: each policy and mode without and with recall, the score over question turns, the
+    most cells a turn held, the store's bytes at the end and recall's time a turn; then the pairs."""
+    rows = [r for r in records if "score" in r]
+    if not rows:
+        return ""
+    out = []
+    for model, rs in sorted(group_by(rows, lambda r: r["model"]).items()):
+        full = [r["score"] for r in rs if r["policy"] == "full"]
+        out += [f"**{model}** (full cache {pct(full)}, {len(full)} conversations; {RECALL_BUDGET} cells)\n",
+                "| policy | recall | score | most cells a turn held | store at the end | recall a turn |",
+                "|---|---|---|---|---|---|"]  # fmt: skip
+        for spec in recall_policies()[1:]:
+            cell = [r for r in rs if r["policy"] == spec]
+            if not cell:
+                continue
+            turns = sum(len(r["turns"]) for r in cell)
+            store = max(r.get("store_bytes", 0) for r in cell) / 2**20
+            ms = 1000 * sum(r.get("recall_s", 0) for r in cell) / turns
+            out.append(f"| {without_param(spec, 'recall')} | {spec_params(spec).get('recall', 0)} | "
+                       f"{pct([r['score'] for r in cell])} | {max(r['max_cells'] for r in cell)} | "
+                       f"{store:.1f} MiB (max) | {ms:.0f} ms |")  # fmt: skip
+        out.append("")
+    pairs = []
+    for p in ("laq", "echokv"):
+        lazy = f"{p}(evict=lazy)"
+        pairs += [(f"{p}(evict=lazy,recall={n})", "full") for n in RECALLS]
+        pairs += [(f"{p}(evict=lazy,recall={n})", lazy) for n in RECALLS]
+        pairs += [(f"{p}(evict=eager,recall={RECALLS[-1]})", lazy), (lazy, "full")]
+    return (
+        "\n".join(out)
+        + "\nPaired differences (score 0..1, ** where the interval excludes 0):\n\n"
+        + (report.compare_markdown(rows, pairs, [RECALL_BUDGET]) + "\n")
+    )
+
+
 def small_test_section(records: list[dict]) -> str:
     """Issue 25 on the test split: scores at 64 cells and 1% of the prompt, and EchoKV (before:
     kernel 13; after: the kernel by budget) against LAQ, paired by sample."""
@@ -1059,6 +1108,9 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         *ruler_plots(records_of(out, "ruler-"), plots),
         KVPRESS_TEXT,
         kvpress_agreement(records_of(out, "ruler-")),
+        "\n## Recall in a chat (issue 61)\n",
+        RECALL_TEXT,
+        recall_section(records_of(out, "recall-test-")) or "(not run yet)\n",
         "\n## Wall time\n",
         "A stage's seconds add up its runs, cell by cell (a cell cut off midway is not counted). "
         "long-test-qwen-16384 ran across sessions before the time was kept by cell, and its row counts its last "
@@ -1175,6 +1227,16 @@ T 24, the pick's T). The cells evict once the whole prompt, its question include
 table above); kvpress's default compresses the context before the question is appended (below). A stage
 stopped early has every task: sample i of each before sample i + 1 of any, so n says how far it got.
 """.replace("N_RULER", str(N_RULER))
+
+RECALL_TEXT = """With recall, what an eviction drops is kept in host memory, bit for bit, and when a turn has
+been read the stored cells its queries attend most come back (docs/policies.md, "Recall"). The
+multi-turn test split (`chat` and `chat-hop` at 1K tokens, the chat-test stages' conversations) at 256
+cells: LAQ and EchoKV in lazy mode without recall and with 64 and 128 cells of it, and in eager mode
+with 128. No choice was made on these records: recall's scoring was written before any was run, and
+recall stays off by default. "Most cells a turn held" is the device-side cache during decode; the
+store is host memory.
+
+"""
 
 KVPRESS_TEXT = """
 **Beside kvpress's leaderboard.** kvpress ranks its presses on RULER at 4K (the `simonjegou/ruler` data,
