@@ -219,6 +219,9 @@ def test_a_conversation_with_recall_keeps_what_it_evicts(live):
     k = live.post("/v1/chat/completions", body).json()["kvlite"]
     assert k["recall"] == 16 and k["stored_cells"] == k["evicted_cells"] - 16
     assert k["kept_cells"] <= 64 + 16 + 4
+    metrics = httpx.get(live.url + "/metrics", headers=AUTH).text
+    stored = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvlite_recall_store_bytes ")]
+    assert stored and stored[0] > 0
 
 
 def test_keys_and_limits(live):

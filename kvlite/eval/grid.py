@@ -154,7 +154,7 @@ class GridConfig:
                 if single:
                     raise KvliteError(f"--policies {spec}: recall brings cells back to a conversation's next turn: "
                                       "multi-turn tasks only (--tasks chat)")  # fmt: skip
-                check_recall(run_params(spec)["recall"], policy_for(spec, 1 << 20), f"--policies {spec}: recall")
+                check_recall(run_params(spec)["recall"], policy_for(spec, None, 1), f"--policies {spec}: recall")
         for t in self.ruler:
             ruler.family(t)
         if self.ruler:
@@ -400,7 +400,8 @@ class Grid:
                 t0 = time.perf_counter()
                 cells = cells_for(budget, len(prompt.tokens))
                 policy = policy_for(spec, cells, prompt.question_tokens)
-                record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))  # recall: refused
+                # (a spec with recall never comes here: multi-turn tasks only, GridConfig.validate)
+                record = run.cell(policy, reuse=spec, evolution=cfg.evolution, **run_params(spec))
                 if isinstance(budget, str):
                     record["budget_cells"] = cells
                 if emitted and not prefix_told and run.prefix_s is not None:

@@ -102,6 +102,8 @@ def run_conversation(
             if answers:
                 scores.append(metrics.score(sample.metric, reply, answers, None))
         cache, t = conv.runner.cache, conv.runner.timings
+        recalled = {"recall": recall, "stored_cells": len(cache.stored), "store_bytes": kvstate.nbytes(cache.store),
+                    "recall_s": t.recall_s} if recall else {}  # fmt: skip
         return {
             "score": sum(scores) / len(scores),
             "turn_scores": scores,
@@ -111,16 +113,7 @@ def run_conversation(
             "cap": conv.cap,
             "max_cells": cache.max_cells,
             "evicted": cache.evicted,
-            **(
-                {
-                    "recall": recall,
-                    "stored_cells": len(cache.stored),
-                    "store_bytes": kvstate.nbytes(cache.store),
-                    "recall_s": t.recall_s,
-                }
-                if recall
-                else {}
-            ),  # fmt: skip
+            **recalled,
             "workspace_forward_passes": conv.runner.workspace_forward_passes,
             "prefill_tokens": t.prefill_tokens,  # read by this cell (a shared document's are not)
             "scores_reused": bool(getattr(policy, "reused", False)),

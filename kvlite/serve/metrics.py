@@ -12,7 +12,7 @@ class Metrics:
         self.errors = 0
         self.rejected = 0
         self.prompt_tokens = self.prefilled_tokens = self.completion_tokens = 0
-        self.prefill_s = self.decode_s = self.evict_s = 0.0
+        self.prefill_s = self.decode_s = self.evict_s = self.recall_s = 0.0
         self.parked = self.restored = 0  # conversations set aside in a pool, and brought back
         self.parked_bytes_peak = 0  # the most host memory the parked caches held at once
         self.waited = 0  # turns that waited for a pool's room while others ran
@@ -53,6 +53,7 @@ class Metrics:
             self.prefill_s += t["prefill_s"]
             self.decode_s += t["decode_s"]
             self.evict_s += t["evict_s"]
+            self.recall_s += t.get("recall_s", 0.0)
 
     def prometheus(self, waiting: int, slots: list[dict], steps: tuple[int, int] = (0, 0)) -> str:
         """The counters, then per slot (slots: their /slots states) its cells, budget and evictions.
@@ -79,6 +80,11 @@ class Metrics:
                 ("evict_seconds_total", "counter", "Time requests spent evicting (scoring, pruning, compacting).",
                  [("", self.evict_s)]),
                 ("decode_seconds_total", "counter", "Time requests spent generating.", [("", self.decode_s)]),
+                ("recall_seconds_total", "counter", "Time requests spent recalling evicted cells (--recall).",
+                 [("", self.recall_s)]),
+                ("recall_store_bytes", "gauge", "Host memory of the conversations' stores of evicted cells "
+                 "(--recall; a parked conversation's is in parked_bytes too).",
+                 [("", sum(slot["store_bytes"] for slot in slots))]),
                 ("conversations_parked_total", "counter", "Conversations whose cache a pool set aside in host "
                  "memory for another's turn (--kv-cells).", [("", self.parked)]),
                 ("conversations_restored_total", "counter", "Parked conversations restored for their next turn.",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from .. import slotfile
 from ..api import Conversation
 from ..cache import Snapshot
-from ..engine import Model
+from ..engine import Model, kvstate
 from ..errors import KvliteError
 from ..policies import Policy
 from .requests import ApiError
@@ -43,6 +43,13 @@ class Slot:
         """Host memory its parked cache holds (0 when it is not parked)."""
         return self.parked[0].nbytes if self.parked else 0
 
+    @property
+    def store_bytes(self) -> int:
+        """Host memory of its conversation's store of evicted cells (--recall), parked or not."""
+        if self.parked:
+            return len(self.parked[0].store or b"")
+        return kvstate.nbytes(self.conversation.runner.cache.store) if self.conversation else 0
+
     def park(self) -> None:
         cache = self.conversation.runner.cache
         self.parked = (cache.snapshot(), cache.evicted)
@@ -67,6 +74,7 @@ class Slot:
             "is_processing": self.busy,
             "parked": self.parked is not None,
             "parked_bytes": self.parked_bytes,
+            "store_bytes": self.store_bytes,
             "conversation_id": self.conversation_id,
             "policy": repr(conv.runner.policy) if conv else None,
             "budget": conv.runner.policy.budget if conv else None,
