@@ -66,7 +66,8 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     for name, prm in ALL_PARAMS.items():
         flags = [prm.short, prm.flag] if prm.short else [prm.flag]
         kw: dict = {"choices": prm.choices} if prm.choices else {"type": str if prm.share else prm.type}
-        p.add_argument(*flags, dest=name, default=None, help=f"{prm.help} ({default_summary(name)})", **kw)
+        text = f"{prm.help} ({default_summary(name)})".replace("%", "%%")  # argparse formats help with %
+        p.add_argument(*flags, dest=name, default=None, help=text, **kw)
     p.add_argument(
         "--cache", type=int, default=None, help="chunked mode's cache size J (sets --budget and --mode chunked)"
     )

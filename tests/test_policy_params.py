@@ -71,6 +71,15 @@ def test_a_share_of_the_prompt_is_the_policy_at_its_cells(name):
     assert make_policy(name, budget=" 12.50% ").budget == "12.5%"
 
 
+@pytest.mark.parametrize("command", ["info", "generate", "chat", "serve", "eval"])
+def test_every_commands_help_prints(command, capsys):
+    """--help formats every flag's help (argparse reads a % there as a format)."""
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and (command == "info" or "--budget" in out)
+
+
 def test_spec_parser_uses_aliases_flags_and_names():
     assert parse_spec("echokv(T=8,kernel=5,B1=256,S=4,aggregate=mean)")[1] == dict(
         lookahead=8, pool_kernel=5, workspace=256, anchors=4, aggregation="mean"
