@@ -1111,6 +1111,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         "\n## Recall in a chat (issue 61)\n",
         RECALL_TEXT,
         recall_section(records_of(out, "recall-test-")) or "(not run yet)\n",
+        RECALL_FINDINGS,
         "\n## Wall time\n",
         "A stage's seconds add up its runs, cell by cell (a cell cut off midway is not counted). "
         "long-test-qwen-16384 ran across sessions before the time was kept by cell, and its row counts its last "
@@ -1236,6 +1237,22 @@ with 128. No choice was made on these records: recall's scoring was written befo
 recall stays off by default. "Most cells a turn held" is the device-side cache during decode; the
 store is host memory.
 
+"""
+
+RECALL_FINDINGS = """
+What the two stages say (2026-12-07; 24 SmolLM2 and 16 Qwen conversations, the tables above recount
+them). EchoKV in lazy mode with recall 128 scores above itself without recall on both models: +0.10
+** on SmolLM2 and +0.08 ** on Qwen. Against the full cache it then stands at -0.02 [-0.17, 0.12] and
+-0.03 [-0.12, 0.06], where without recall it is -0.12 ** on SmolLM2. LAQ gains less (+0.03 and
++0.05, not marked). Recall 64 is between the two. Eager mode with recall 128 stays below lazy mode
+without it (LAQ on SmolLM2 -0.16 **; the others not marked): the document turn is cut before any
+question exists, and what recall brings back later does not make up for it. Recall took 73 to 137 ms
+a turn here, and the store held at most 18.8 MiB (SmolLM2) and 9.2 MiB (Qwen), in f16. "Most cells a
+turn held" is lazy mode's peak while it reads the document. While a reply is decoded, eager mode
+holds at most the budget plus N cells and the reply (tests/test_recall.py), and lazy mode stays under
+its cap, recalled cells included. This is the test split
+only: recall's scoring was written before any run, nothing was chosen on these records, and recall
+stays off by default until a tune-split run picks N.
 """
 
 KVPRESS_TEXT = """
