@@ -14,7 +14,7 @@ from test_cache_invariants import check
 
 from kvlite.api import Session
 from kvlite.cache import JointKV, KVCache
-from kvlite.engine import LIVE, Context, Model, cachetypes, kvstate
+from kvlite.engine import LIVE, Context, Model, Pool, cachetypes, kvstate
 from kvlite.errors import KvliteError
 from kvlite.policies import KNorm, SnapKV
 from kvlite.reference.scores import attn_pool
@@ -233,3 +233,16 @@ def test_a_slot_file_carries_the_store(tiny_paths, tmp_path):
     assert np.array_equal(cache.stored, before[0]) and kvstate.build(cache.store) == before[1]
     assert cache.recall(before[0][:3]) == 3
     check(cache)
+
+
+def test_recall_on_a_pools_lanes(tiny_model):
+    """Two conversations on one shared context (a server's --kv-cells), turns interleaved: each
+    recalls into its own lane, and what kvlite holds of each is what llama.cpp holds."""
+    pool = Pool(tiny_model, n_cells=1024, lanes=3, n_batch=32)
+    convs = [Session(tiny_model, policy=SnapKV(budget=BUDGET), pool=pool, n_ctx=512, n_threads=1)
+             .conversation(evict="eager", recall=RECALL) for _ in range(2)]  # fmt: skip
+    for i in range(2):
+        for conv in convs:
+            conv.turn(" ".join(f"w{i}{j}" for j in range(40)), 3, None, lambda: False)
+            assert conv.last.endswith(f"recalled {RECALL}")
+            check(conv.runner.cache)
