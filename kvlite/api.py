@@ -168,6 +168,7 @@ class Conversation:
         self.rendered = ""  # the text of the conversation the cache holds
         self.primed: tuple[int, ...] = ()  # first-turn tokens already read (start_from)
         self.read, self.decode_rate = 0, 0.0  # the last turn's tokens read and its reply's tok/s (status)
+        self.decode_cells = 0  # cells resident when the last reply began (recalled ones included)
 
     def start_from(self, snapshot: Snapshot) -> None:
         """Begin with the first tokens of the first turn already read, from a snapshot taken
@@ -224,6 +225,7 @@ class Conversation:
             room = self.cap - cache.n_resident - n_predict - runner.policy.lookahead_cells()
             if recalled := runner.recall(room):
                 self.last += f", recalled {recalled}"
+        self.decode_cells = cache.n_resident
         out, stopped = self.runner.generate(n_predict, on_text=on_text, interrupted=interrupted)
         self.read = len(tokens)
         self.decode_rate = _rate(runner.timings.decode_tokens - timings.decode_tokens,

@@ -714,8 +714,8 @@ def recall_section(records: list[dict]) -> str:
     for model, rs in sorted(group_by(rows, lambda r: r["model"]).items()):
         full = [r["score"] for r in rs if r["policy"] == "full"]
         out += [f"**{model}** (full cache {pct(full)}, {len(full)} conversations; {RECALL_BUDGET} cells)\n",
-                "| policy | recall | score x100 | most cells a turn held | store at the end | recall a turn |",
-                "|---|---|---|---|---|---|"]  # fmt: skip
+                "| policy | recall | score x100 | most cells a turn held | most at a reply's start | store at the end "
+                "| recall a turn |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for spec in recall_policies()[1:]:
             cell = [r for r in rs if r["policy"] == spec]
             if not cell:
@@ -723,9 +723,10 @@ def recall_section(records: list[dict]) -> str:
             turns = sum(len(r["turns"]) for r in cell)
             store = max(r.get("store_bytes", 0) for r in cell) / 2**20
             ms = 1000 * sum(r.get("recall_s", 0) for r in cell) / turns
+            decode = max((r["decode_cells"] for r in cell if "decode_cells" in r), default=None)
             out.append(f"| {without_param(spec, 'recall')} | {spec_params(spec).get('recall', 0)} | "
                        f"{pct([r['score'] for r in cell])} | {max(r['max_cells'] for r in cell)} | "
-                       f"{store:.1f} MiB (max) | {ms:.0f} ms |")  # fmt: skip
+                       f"{'-' if decode is None else decode} | {store:.1f} MiB (max) | {ms:.0f} ms |")  # fmt: skip
         out.append("")
     pairs = []
     for p in ("laq", "echokv"):
@@ -1248,9 +1249,10 @@ them). EchoKV in lazy mode with recall 128 scores above itself without recall on
 without it (LAQ on SmolLM2 -0.16 **; the others not marked): the document turn is cut before any
 question exists, and what recall brings back later does not make up for it. Recall took 73 to 137 ms
 a turn here, and the store held at most 18.8 MiB (SmolLM2) and 9.2 MiB (Qwen), in f16. "Most cells a
-turn held" is lazy mode's peak while it reads the document. While a reply is decoded, eager mode
-holds at most the budget plus N cells and the reply (tests/test_recall.py), and lazy mode stays under
-its cap, recalled cells included. This is the test split
+turn held" is lazy mode's peak while it reads the document; "most at a reply's start" is what decode
+attends, recalled cells included (a record since these stages ran: "-" until they run again). Eager
+mode holds at most the budget plus N cells and the reply (tests/test_recall.py), and lazy mode stays
+under its cap. This is the test split
 only: recall's scoring was written before any run, nothing was chosen on these records, and recall
 stays off by default until a tune-split run picks N.
 """

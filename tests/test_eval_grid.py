@@ -401,6 +401,7 @@ def test_recall_is_a_grid_axis_of_multi_turn_tasks(tiny_paths, tmp_path):
     assert grid.failures == 0
     (r,) = [r for r in read_records(tmp_path) if r["policy"] == "snapkv(recall=8)"]
     assert r["recall"] == 8 and r["stored_cells"] > 0 and r["store_bytes"] > 0 and r["max_cells"] <= r["cap"]
+    assert r["decode_cells"] <= 48 + 8  # eager: the budget and what came back, when a reply began
     assert any("recalled" in turn for turn in r["turns"])
     for bad, words in ((dict(tasks=["single"]), "multi-turn tasks only"),
                        (dict(tasks=["chat"], policies=["knorm(recall=8)"]), "knorm captures none")):  # fmt: skip

@@ -208,6 +208,7 @@ def test_an_eager_conversation_with_recall_holds_budget_plus_recall(tiny_paths):
     for i, words in enumerate((60, 15, 20)):
         conv.turn(" ".join(f"w{i}{j}" for j in range(words)), 4, None, lambda: False)
         cache = conv.runner.cache
+        assert conv.decode_cells <= BUDGET + RECALL  # when the reply began
         assert cache.n_resident <= BUDGET + RECALL + 4  # and the reply's tokens
         check(cache)
     assert "recalled" in conv.last

@@ -90,7 +90,7 @@ def run_conversation(
     conv = Session(model, policy, settings).conversation(evict=evict, recall=recall)
     if document is not None and not policy.continuous:
         conv.start_from(document)
-    outputs, scores, status = [], [], []
+    outputs, scores, status, decode_cells = [], [], [], 0
     t0 = time.perf_counter()
     try:
         for i, (message, answers) in enumerate(sample.turns):
@@ -99,6 +99,7 @@ def run_conversation(
             reply, stopped = conv.turn(message, sample.max_new_tokens, None, lambda: False, progress=False)
             outputs.append(reply)
             status.append(conv.last)
+            decode_cells = max(decode_cells, conv.decode_cells)
             if answers:
                 scores.append(metrics.score(sample.metric, reply, answers, None))
         cache, t = conv.runner.cache, conv.runner.timings
@@ -112,6 +113,7 @@ def run_conversation(
             "evict": evict,
             "cap": conv.cap,
             "max_cells": cache.max_cells,
+            "decode_cells": decode_cells,  # the most resident when a reply began: what decode attends
             "evicted": cache.evicted,
             **recalled,
             "workspace_forward_passes": conv.runner.workspace_forward_passes,
