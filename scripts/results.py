@@ -1247,12 +1247,11 @@ them). EchoKV in lazy mode with recall 128 scores above itself without recall on
 -0.03 [-0.12, 0.06], where without recall it is -0.12 ** on SmolLM2. LAQ gains less (+0.03 and
 +0.05, not marked). Recall 64 is between the two. Eager mode with recall 128 stays below lazy mode
 without it (LAQ on SmolLM2 -0.16 **; the others not marked): the document turn is cut before any
-question exists, and what recall brings back later does not make up for it. Recall took 73 to 137 ms
+question exists, and what recall brings back later does not make up for it. Recall took 94 to 151 ms
 a turn here, and the store held at most 18.8 MiB (SmolLM2) and 9.2 MiB (Qwen), in f16. "Most cells a
 turn held" is lazy mode's peak while it reads the document; "most at a reply's start" is what decode
-attends, recalled cells included (a record since these stages ran: "-" until they run again). Eager
-mode holds at most the budget plus N cells and the reply (tests/test_recall.py), and lazy mode stays
-under its cap. This is the test split
+attends, recalled cells included: 384, the budget plus N, in eager mode (tests/test_recall.py holds
+it there), and in lazy mode the document turn's reply, read whole under the cap. This is the test split
 only: recall's scoring was written before any run, nothing was chosen on these records, and recall
 stays off by default until a tune-split run picks N.
 """
