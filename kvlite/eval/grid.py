@@ -244,6 +244,7 @@ class Grid:
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         self.shard, self.n_shards = shard_of(cfg.shard)
+        self._ruler_made: dict[pathlib.Path, list[list[tasks.Sample]]] = {}  # start() makes them, units() reads
         suffix = "" if self.n_shards == 1 else f".shard-{self.shard}-of-{self.n_shards}"
         self.out = cfg.out_dir
         self.samples_path = self.out / f"samples{suffix}.jsonl"
@@ -322,10 +323,12 @@ class Grid:
 
     def _ruler(self, path: pathlib.Path) -> list[list[tasks.Sample]]:
         """RULER's samples for a model, a list a task and length (generated once, then kept in
-        kvlite's cache folder: ruler.generate)."""
-        generated = [ruler.generate(self.cfg.ruler, self.cfg.n, n, path, self.cfg.seed) if self.cfg.ruler else {}
-                     for n in self.cfg.lengths]  # fmt: skip
-        return [by_task[t] for t in self.cfg.ruler for by_task in generated]
+        kvlite's cache folder: ruler.generate; read once a run)."""
+        if path not in self._ruler_made:
+            generated = [ruler.generate(self.cfg.ruler, self.cfg.n, n, path, self.cfg.seed) if self.cfg.ruler else {}
+                         for n in self.cfg.lengths]  # fmt: skip
+            self._ruler_made[path] = [by_task[t] for t in self.cfg.ruler for by_task in generated]
+        return self._ruler_made[path]
 
     def recorder(self, progress=None) -> Callable[[tuple], None]:
         """Where a unit's events go: ("record", r) and ("error", where, message) to the output

@@ -72,9 +72,12 @@ def generate(tasks: Sequence[str], n: int, length: int, model_path: str | os.Pat
     task's generation), from the package's own generators, counted by the model's tokenizer; one
     subprocess for the tasks not generated before (RULER's scripts parse their arguments and seed as
     they import). What was generated is kept in kvlite's cache folder, as RULER's lines, a file a task."""
+    from ..models import cache_dir
+
     kinds = {t: family(t) for t in tasks}
     check_installed()
-    kept = {t: _kept(t, n, length, model_path, seed) for t in tasks}
+    made_by = _made_by(model_path)
+    kept = {t: cache_dir() / "ruler" / f"{t}-{length}-n{n}-seed{SEED + seed}-{made_by}.jsonl" for t in tasks}
     missing = [t for t, path in kept.items() if not path.exists()]
     made = {}
     if missing:
@@ -91,18 +94,14 @@ def generate(tasks: Sequence[str], n: int, length: int, model_path: str | os.Pat
     return {t: made[t] if t in made else _read(t, kinds[t], kept[t], length) for t in tasks}
 
 
-def _kept(task: str, n: int, length: int, model_path: str | os.PathLike, seed: int) -> pathlib.Path:
-    """Where a task's generated lines are kept: named by what they depend on (the model file, the
-    package's version, whether nltk's punkt data splits the haystack's sentences)."""
+def _made_by(model_path: str | os.PathLike) -> str:
+    """What generated lines depend on beside their task, length, n and seed, as a short digest: the
+    model file, the package's version, whether nltk's punkt data splits the haystack's sentences."""
     from importlib.metadata import version
 
-    from ..models import cache_dir
-
     model = pathlib.Path(model_path)
-    stat = model.stat()
-    key = json.dumps([model.name, stat.st_size, version("nvidia-long-context-eval"), _has_punkt()])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / "ruler" / f"{task}-{length}-n{n}-seed{SEED + seed}-{digest}.jsonl"
+    key = json.dumps([model.name, model.stat().st_size, version("nvidia-long-context-eval"), _has_punkt()])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _has_punkt() -> bool:
