@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from . import recall_store
 from .cache import Snapshot
 from .engine import Model, Pool, kvstate
 from .engine.model import drop_prefix
@@ -283,9 +284,10 @@ class Conversation:
             f"decode {t['decode_tokens']} tok in {t['decode_s']:.2f} s, eviction {t['evict_s'] * 1000:.1f} ms",
         ]
         if self.runner.recall_cells:
+            where = "in host memory" if recall_store.in_ram(c.store) else "on disk"
             lines.append(
-                f"recall up to {self.runner.recall_cells}: {len(c.stored)} evicted cells stored in host "
-                f"memory ({kvstate.nbytes(c.store) / 2**20:.1f} MiB), recall {t['recall_s'] * 1000:.1f} ms"
+                f"recall up to {self.runner.recall_cells}: {len(c.stored)} evicted cells stored "
+                f"({kvstate.nbytes(c.store) / 2**20:.1f} MiB, {where}), recall {t['recall_s'] * 1000:.1f} ms"
             )
         return "\n".join(lines)
 

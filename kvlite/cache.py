@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from . import recall_store
 from .engine import LIVE, WORKSPACE, Context, cachetypes, kvstate, lane_seqs
 from .errors import KvliteError
 from .models import ModelInfo
@@ -52,7 +53,7 @@ class Snapshot:
     live: np.ndarray
     hidden: np.ndarray | None
     hidden_layer: int | None
-    store: bytes | None = None  # the evicted cells kept for recall (KVCache.store), as a state blob
+    store: kvstate.SeqState | None = None  # the evicted cells kept for recall (KVCache.store), shared
 
     @property
     def cells(self) -> int:
@@ -61,9 +62,11 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        """Host memory it holds: the cells' bytes in the cache's types, and the hidden states."""
+        """Host memory it holds: the cells' bytes in the cache's types, the hidden states, and
+        the store of evicted cells where it is held in memory (recall_store.py)."""
         hidden = self.hidden.nbytes if self.hidden is not None else 0
-        return len(self.blob) + hidden + self.live.nbytes + len(self.store or b"")
+        store = kvstate.nbytes(self.store) if recall_store.in_ram(self.store) else 0
+        return len(self.blob) + hidden + self.live.nbytes + store
 
 
 class CachedKV:
@@ -335,7 +338,7 @@ class KVCache:
             raise KvliteError("evicted cells cannot be kept for a policy that scores hidden states")
         with self._live_file("keeping evicted cells") as sf:
             kept = kvstate.held(sf.state(self.seqs[LIVE], by_position=True, positions=gone))
-        self.store = kvstate.held(kvstate.merge(self.store, kept))
+        self.store = recall_store.keep(kvstate.merge(self.store, kept), replacing=self.store)
 
     @property
     def stored(self) -> np.ndarray:
@@ -367,7 +370,8 @@ class KVCache:
                 self.ctx.seq_rm(live, -1, -1)  # put back what was there: the cache stays consistent
                 self.ctx.state_set(kvstate.build(sf.state(live)), live)
                 raise
-        self.store = kvstate.select(self.store, lambda _, p: ~np.isin(p, pos))
+        left = kvstate.select(self.store, lambda _, p: ~np.isin(p, pos), lazy=True)
+        self.store = recall_store.keep(left, replacing=self.store)
         self._live[pos] = True
         self._note_cells()
         return len(pos)
@@ -512,8 +516,8 @@ class KVCache:
             raise KvliteError("drop the workspace before taking a snapshot")
         hidden = None if self.hidden is None else self.hidden.copy()
         blob = self.ctx.state_get(self.seqs[LIVE])
-        store = None if self.store is None else kvstate.build(self.store)
-        return Snapshot(blob, tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer, store)
+        # the store itself, not a copy: a store is never changed in place, only replaced
+        return Snapshot(blob, tuple(self.tokens), self._live.copy(), hidden, self.hidden_layer, self.store)
 
     def restore(self, snap: Snapshot, evicted: int = 0) -> None:
         """Replace the whole cache with a snapshot's live sequence. evicted: how many positions the
@@ -528,7 +532,7 @@ class KVCache:
         self._live = snap.live.copy()
         self._ws_prompt = np.zeros_like(self._live)
         self.hidden = None if self.hidden_layer is None else snap.hidden.copy()
-        self.store = None if snap.store is None or not self.keep_evicted else kvstate.held(kvstate.parse(snap.store))
+        self.store = snap.store if self.keep_evicted else None
         self.evicted = evicted
         self._note_cells()
 
@@ -573,5 +577,5 @@ class KVCache:
         self.tokens = self.tokens[:end]
         self._live = self._live[:end]
         if self.store is not None:  # cells evicted while the forgotten positions were read
-            self.store = kvstate.select(self.store, lambda _, p: p < end)
+            self.store = recall_store.keep(kvstate.select(self.store, lambda _, p: p < end, lazy=True), self.store)
         self._ws_prompt = self._ws_prompt[:end]

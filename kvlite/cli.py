@@ -7,9 +7,9 @@ import json
 import pathlib
 import sys
 
-from . import __version__
+from . import __version__, recall_store
 from .errors import KvliteError
-from .evict import CHAT_CTX, MODES
+from .evict import CHAT_CTX, MODES, RECALL_PICK
 from .limits import DEFAULT_CHUNK
 from .process import (
     CLOSED,
@@ -130,9 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
     p.add_argument("-f", "--file", action="append", metavar="FILE",
                    help="read FILE as a message before the prompt appears (again for more, in order)")  # fmt: skip
-    p.add_argument("--recall", type=int, default=None, metavar="N",
-                   help="keep evicted cells in host memory and bring back up to N of them when a turn has been "
-                   "read, those its queries attend most (docs/policies.md, Recall; off by default)")  # fmt: skip
+    _add_recall_args(p, None, "")
     p.add_argument("--load", default=None, metavar="NAME",
                    help="continue a conversation saved with /save NAME (a name, or a path with a slash)")  # fmt: skip
     p.set_defaults(policy=None)  # --load takes the saved one; else full
@@ -152,9 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evict", default=None, choices=MODES, help=EVICT_HELP)
     p.add_argument("-a", "--alias", default=None, help="the model's id in /v1/models and responses")
     p.add_argument("--max-tokens", type=int, default=4096, help="the most max_tokens a request may ask for")
-    p.add_argument("--recall", type=int, default=0, metavar="N",
-                   help="keep evicted cells in host memory and bring back up to N when a turn has been read "
-                   "(a request's kv_recall sets its own; docs/policies.md, Recall; off by default)")  # fmt: skip
+    _add_recall_args(p, 0, " (a request's kv_recall sets its own)")
     p.add_argument("--slot-save-path", default=None, metavar="DIR",
                    help="where POST /slots/ID?action=save|restore keeps slot files (off without it)")  # fmt: skip
 
@@ -330,6 +326,17 @@ def _summary(g) -> str:
     )
 
 
+def _add_recall_args(p: argparse.ArgumentParser, default: int | None, more: str) -> None:
+    p.add_argument("--recall", type=int, nargs="?", const=RECALL_PICK, default=default, metavar="N",
+                   help="keep evicted cells and bring back up to N of them when a turn has been read, those its "
+                   f"queries attend most{more}; N {RECALL_PICK} when not given, the tune split's pick "
+                   "(docs/policies.md, Recall; off by default)")  # fmt: skip
+    p.add_argument("--recall-store", type=float, default=None, metavar="MiB",
+                   help="the most host memory the kept cells take; beyond it they go to a file under kvlite's "
+                   f"cache folder (default: {recall_store.DEFAULT_SHARE * 100:.0f}%% of the memory available at the "
+                   "first eviction)")  # fmt: skip
+
+
 def cmd_chat(args) -> int:
     from .chat import read_document, read_saved, run_chat
     from .evict import check_recall
@@ -352,6 +359,7 @@ def cmd_chat(args) -> int:
     settings = _settings_from_args(args)
     _note_ctx(settings.n_ctx)
     recall = check_recall(args.recall or 0, policy)  # before the model loads
+    recall_store.set_cap(args.recall_store)
     return run_chat(_load_model(args), policy, settings, args.n_predict, system=args.system, evict=args.evict,
                     files=files, saved=saved, recall=recall)  # fmt: skip
 
@@ -383,6 +391,7 @@ def cmd_serve(args) -> int:
     policy, settings = _policy_from_args(args), _settings_from_args(args)  # checked before the port is taken
     policy.require_cells("kvlite serve")  # its default holds for conversations; a completion may ask a share
     check_recall(args.recall, policy)
+    recall_store.set_cap(args.recall_store)
     _note_ctx(settings.n_ctx)
     _add_rpc(args.rpc)
     _note_ngl(args.n_gpu_layers, offloaded_layers(args.n_gpu_layers, 1))  # the model itself loads once serving

@@ -28,6 +28,10 @@ DEFAULT = "lazy"
 GRID_DEFAULT = "eager"
 # A conversation's length is unknown: the context (the cache's cap) of one not evicted continuously.
 CHAT_CTX = 4096
+# What `--recall` takes without a number: scripts/pick_recall.py's pick on the tune split
+# (results-runs/recall-tune-smol-1024/pick.json). Recall stays off unless asked for: it adds up to
+# N cells beyond the budget to what decode attends.
+RECALL_PICK = 32
 # A message asks something when it has a question mark near its end or opens with one of these
 # (a pasted document with a "?" in its middle does not). The hybrid policy reads it per turn.
 _ASKING = ("what", "who", "whom", "whose", "when", "where", "which", "why", "how", "is", "are", "does", "do", "did",

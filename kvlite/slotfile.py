@@ -11,9 +11,10 @@ import zipfile
 
 import numpy as np
 
+from . import recall_store
 from .api import ROLES, Conversation
 from .cache import Snapshot
-from .engine import Model
+from .engine import Model, kvstate
 from .errors import KvliteError
 from .policies import ALL_PARAMS, Policy, make_policy
 
@@ -34,7 +35,7 @@ class SlotFile:
     def snapshot(self, hidden_layer: int | None) -> Snapshot:
         """The sequence, for a cache that keeps hidden states of hidden_layer (None: none)."""
         a = self.arrays
-        store = a["store"].tobytes() if "store" in a else None
+        store = recall_store.keep(kvstate.parse(a["store"].tobytes())) if "store" in a else None
         return Snapshot(a["blob"].tobytes(), tuple(int(t) for t in a["tokens"]), a["live"], a.get("hidden"),
                         hidden_layer if "hidden" in a else None, store)  # fmt: skip
 
@@ -101,7 +102,7 @@ def write_slot_file(path: pathlib.Path, conv: Conversation, model: Model, parked
     if snap.hidden is not None:
         arrays["hidden"] = snap.hidden
     if snap.store is not None:
-        arrays["store"] = np.frombuffer(snap.store, np.uint8)
+        arrays["store"] = np.frombuffer(kvstate.build(snap.store), np.uint8)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:

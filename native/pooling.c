@@ -102,7 +102,9 @@ static struct ggml_tensor * kvl_max2(struct ggml_context * g, struct ggml_tensor
 // inputs an eviction holds ~KVL_POOL_BYTES and the layer's keys widened to f32, not queries x keys
 // x heads (EchoKV's 384 proposals over 8K keys were 113 MB a layer). One graph, not one per block:
 // the layer's keys are copied in and widened once (per block, that was a third of the time).
+#ifndef KVL_POOL_BYTES
 #define KVL_POOL_BYTES (8u << 20)
+#endif
 
 static int kvl_pool_layer(struct kvl_ctx * c, const float * q_layer, const void * k_layer, int k_type,
                           const float * key_mask, int n_head, int n_head_kv, int n_q, int n_keys, int head_dim,

@@ -13,8 +13,15 @@
 (e) -t: the same kernels at each thread count of --threads (default 1 and every core kvlite may
     use), called in turn: attention pooling over 16K keys and, unless --skip-cc, a fast
     counter-causal refresh of 4096 cells; the ratio to the first thread count.
+(f) --roofline (alone): the pooling kernel's GFLOP/s on EchoKV's first pass (16 anchors x 24
+    positions = 384 queries, every layer) over 4K, 8K and 16K f16 keys, beside llama.cpp's own
+    prefill GFLOP/s on a 4K-token prompt of the same model, threads and machine, in turn each round.
+    Useful FLOPs on both sides: the kernel's q.k products (2 x layers x heads x queries x keys x
+    head_dim; the softmax and sums are not counted), the prefill's weight products (2 x the
+    elements of every blk.* matrix a token) and causal attention (q.k and p.v over the positions
+    before each token); llama.cpp's masked products over its padded cache are not counted either.
 
-usage: python scripts/bench_scoring.py [--repeat 3] [--skip-cc] [--threads 1,2] [--json]
+usage: python scripts/bench_scoring.py [--repeat 3] [--skip-cc] [--threads 1,2] [--roofline] [--json]
 """
 
 from __future__ import annotations
@@ -218,17 +225,62 @@ def bench_threads(model: Model, cache: KVCache | None, repeat: int, threads: lis
     return rows
 
 
+def prefill_flops(model: Model, n: int) -> float:
+    """Useful FLOPs of reading n tokens: every blk.* weight matrix once a token, and causal attention."""
+    from kvlite.gguf_header import read_header
+
+    weights = sum(int(np.prod(t.shape)) for t in read_header(str(model.path)).tensors
+                  if t.name.startswith("blk.") and len(t.shape) == 2)  # fmt: skip
+    info = model.info
+    attention = 2 * 2 * info.n_layer * info.n_head * info.head_dim * n * (n + 1) / 2
+    return 2.0 * weights * n + attention
+
+
+def bench_roofline(model: Model, repeat: int, prompt: int = 4096) -> list[dict]:
+    info, rng = model.info, np.random.default_rng(0)
+    n_q = 16 * 24  # EchoKV's first pass: its anchors rotated to every lookahead position
+    q = rng.standard_normal((info.n_layer, info.n_head, n_q, info.head_dim)).astype(np.float32)
+    keys = {n: rng.standard_normal((info.n_layer, info.n_head_kv, n, info.head_dim)).astype(np.float16)
+            for n in (4096, 8192, 16384)}  # fmt: skip
+    tokens = [int(t) for t in rng.integers(100, 30000, size=prompt)]
+
+    def prefill() -> None:
+        KVCache(Context(model, n_ctx=prompt + 64, n_batch=512)).append(tokens)
+
+    fns = {"prefill": prefill, **{n: (lambda k=k: native().attn_pool(q, k)) for n, k in keys.items()}}
+    times = interleaved(fns, repeat)
+    flops = {"prefill": prefill_flops(model, prompt),
+             **{n: 2.0 * info.n_layer * info.n_head * n_q * n * info.head_dim for n in keys}}  # fmt: skip
+    rate = {name: flops[name] / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    rows = []
+    print(f"\n(f) GFLOP/s, median of {repeat} rounds; llama.cpp prefill of {prompt} tokens: {rate['prefill']:.1f}")
+    for n in keys:
+        per_round = [flops[n] / t / (flops["prefill"] / p) for t, p in zip(times[n], times["prefill"])]
+        rows.append({"keys": n, "kernel_s": statistics.median(times[n]), "kernel_gflops": rate[n],
+                     "prefill_gflops": rate["prefill"], "ratio": statistics.median(per_round),
+                     "ratio_range": [min(per_round), max(per_round)]})  # fmt: skip
+        print(f"  {n:>6} keys: {statistics.median(times[n]):6.2f} s  {rate[n]:6.1f} GFLOP/s  "
+              f"{rows[-1]['ratio']:.2f}x prefill's (rounds {min(per_round):.2f}-{max(per_round):.2f})")  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=8192, help="prompt tokens for (b) and (c)")
     ap.add_argument("--skip-cc", action="store_true", help="only (a) and (e)'s pooling")
     ap.add_argument("--threads", default=f"1,{default_threads()}", help="thread counts for (e), comma-separated")
+    ap.add_argument("--roofline", action="store_true", help="only (f): the kernel against llama.cpp's prefill")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     threads = sorted({int(n) for n in args.threads.split(",")})
     torch.set_num_threads(max(1, torch.get_num_threads()))
     model = Model(default_model_path())
+    if args.roofline:
+        rows = bench_roofline(model, args.repeat)
+        if args.json:
+            print(json.dumps({"roofline": rows}, indent=1))
+        return
     out = {"pooling": bench_pooling(model.info, args.repeat)}
     if not args.skip_cc:
         print(f"prefilling {args.prompt} tokens for (b) and (c) ...", flush=True)

@@ -27,7 +27,8 @@ Prints a table and the ratios, and writes a plot and the rows to --out. Resumabl
 in DIR/rows.jsonl is not run again. Run it alone (2 cores).
 
 usage: python scripts/bench_serve_vs_llama_server.py [--clients 1,2,4,8,16,32] [--cells 4096]
-       [--budget 256] [--evict eager|lazy] [--out results-runs/serve-vs-llama-server] [--plot-only]
+       [--budget 256] [--evict eager|lazy] [--recall N] [--configs kvlite-echokv,...]
+       [--out results-runs/serve-vs-llama-server] [--plot-only]
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def command(config: str, n: int, port: int, args, ram_mib: int = 0) -> list[str]
     policy = config.removeprefix("kvlite-")
     kvlite = str(pathlib.Path(sys.executable).parent / "kvlite")
     evict = ["--evict", args.evict] if args.evict else []
+    recall = ["--recall", str(args.recall)] if args.recall else []
     return [kvlite, "serve", "-m", model, "--port", str(port), "--slots", str(n), "--kv-cells", str(args.cells),
             "--policy", policy, "--budget", str(args.budget), "-c", str(CTX), "-t", threads,
-            "--queue", str(n), *evict]  # fmt: skip
+            "--queue", str(n), *evict, *recall]  # fmt: skip
 
 
 def converse(url: str, sample: tasks.Sample) -> list[dict]:
@@ -151,15 +153,17 @@ def kvlite_metrics(url: str) -> dict:
 
 def settings(args) -> dict:
     """What a row was run with: a row of other settings is neither reused nor shown (schema 2: the
-    rows with streamed turns and llama-server-ram, from issue 59 on)."""
-    return {"cells": args.cells, "budget": args.budget, "evict": args.evict, "threads": args.threads, "schema": 2}
+    rows with streamed turns and llama-server-ram, from issue 59 on; a row without recall ran none)."""
+    out = {"cells": args.cells, "budget": args.budget, "evict": args.evict, "threads": args.threads, "schema": 2}
+    return {**out, "recall": args.recall} if args.recall else out
 
 
 def same_settings(row: dict, args) -> bool:
     """llama-server-full's rows hold whatever kvlite's budget and eviction mode were (-ram's and -queue's
     RAM cache is the kvlite rows' parked memory: those of this budget and mode)."""
-    kvlite_only = ("budget", "evict") if row["config"] == "llama-server-full" else ()
-    return all(row.get(k) == v for k, v in settings(args).items() if k not in kvlite_only)
+    kvlite_only = ("budget", "evict", "recall") if row["config"] == "llama-server-full" else ()
+    wanted = {"recall": None, **settings(args)}
+    return all(row.get(k) == v for k, v in wanted.items() if k not in kvlite_only)
 
 
 def ram_for(n: int, rows: list[dict]) -> int:
@@ -287,6 +291,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--evict", default=None, choices=["eager", "lazy"],
                     help="kvlite's chat eviction mode (default: kvlite serve's)")  # fmt: skip
+    ap.add_argument("--recall", type=int, default=0, metavar="N", help="kvlite serve --recall N (default: off)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("-t", "--threads", type=int, default=default_threads())
     ap.add_argument("--out", default=str(ROOT / "results-runs" / "serve-vs-llama-server"))
@@ -297,18 +302,19 @@ def main() -> None:
     rows_path = out / "rows.jsonl"
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
     rows = [r for r in rows if r["config"] in CONFIGS and same_settings(r, args)]
-    if not args.plot_only:
+    configs = [c for c in CONFIGS if c in args.configs.split(",")]
+    if not args.plot_only and any(c.startswith("llama-server") for c in configs):
         build = subprocess.run(["bash", str(ROOT / "scripts" / "build_llama_server.sh")], capture_output=True,
                                text=True)  # fmt: skip
         if build.returncode != 0:
             raise SystemExit(f"llama-server did not build:\n{build.stderr[-3000:]}")
         args.llama_server = build.stdout.strip()
+    if not args.plot_only:
         model = Model(default_model_path())
         count = lambda text: len(model.tokenize(text, add_special=False, parse_special=False))  # noqa: E731
         ns = [int(x) for x in args.clients.split(",")]
         samples = tasks.generate("chat", max(ns), LENGTH, count, split="test")
         del model
-        configs = [c for c in CONFIGS if c in args.configs.split(",")]
         for n in ns:
             for config in configs:
                 if any(r["config"] == config and r["clients"] == n for r in rows):

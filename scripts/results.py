@@ -166,16 +166,26 @@ def stages(quick: bool = False) -> list[Stage]:
     # recall stays off by default), the chat-test stages' samples and lazy cells again for pairing
     out += [stage(f"recall-test-{m}-1024", MODELS[m], CHAT_TASKS, 1024, n, "test", recall_policies(), [RECALL_BUDGET])
             for m, n in (("smol", 12), ("qwen", 8))]  # fmt: skip
+    # ... and N chosen on the tune split (scripts/pick_recall.py: what `--recall` takes without a number)
+    out.append(stage("recall-tune-smol-1024", smol, CHAT_TASKS, 1024, 8, "tune", recall_tune_policies(),
+                     [RECALL_BUDGET]))  # fmt: skip
     return out
 
 
 RECALL_BUDGET, RECALLS = 256, (64, 128)
+RECALL_TUNE = (32, 64, 128, 256)  # the N scripts/pick_recall.py chooses among
 
 
 def recall_policies() -> list[str]:
     """LAQ and EchoKV in lazy mode without and with recall, and eager mode with the larger recall."""
     lazy = [f"{p}(evict=lazy{f',recall={n}' if n else ''})" for p in ("laq", "echokv") for n in (0, *RECALLS)]
     return ["full", *lazy, *(f"{p}(evict=eager,recall={RECALLS[-1]})" for p in ("laq", "echokv"))]
+
+
+def recall_tune_policies() -> list[str]:
+    """LAQ and EchoKV in lazy mode (kvlite chat's default mode) with each N of RECALL_TUNE and none."""
+    return ["full", *(f"{p}(evict=lazy{f',recall={n}' if n else ''})" for p in ("laq", "echokv")
+                      for n in (0, *RECALL_TUNE))]  # fmt: skip
 
 
 RULER_RUNS = [("smol", 4096), ("gemma", 4096), ("qwen", 4096)]
@@ -704,6 +714,25 @@ def chat_claims(records: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + report.compare_markdown(records, pairs, BUDGETS, group)
 
 
+def recall_pick_section(out: pathlib.Path) -> str:
+    """The tune split's choice of N (scripts/pick_recall.py's pick.json), gains with their intervals."""
+    path = out / "recall-tune-smol-1024" / "pick.json"
+    if not path.exists():
+        return "\n(N is not chosen yet: run the recall-tune-smol-1024 stage, then scripts/pick_recall.py)\n"
+    pick = json.loads(path.read_text())
+    iv = lambda d: stats.Interval(**d).fmt_marked()  # noqa: E731
+    lines = [f"\n**N, chosen on the tune split** (`recall-tune-smol-1024`: SmolLM2, {pick['conversations']} "
+             "conversations of `chat` and `chat-hop` at 1K tokens, 256 cells, LAQ and EchoKV in lazy mode; "
+             "the rule in scripts/pick_recall.py, fixed before the run):\n",
+             "| N | recall N - none | best N - this N |", "|---|---|---|"]  # fmt: skip
+    for n, gain in pick["gain"].items():
+        behind = pick["best_minus"].get(n)
+        lines.append(f"| {n} | {iv(gain)} | {iv(behind) if behind else '(the best mean)'} |")
+    choice = (f"`--recall` with no number takes {pick['pick']}" if pick["pick"] is not None
+              else "no N gained with an interval above 0, so `--recall` needs a number")  # fmt: skip
+    return "\n".join(lines) + f"\n\nThe pick: {choice}. Recall stays off by default.\n"
+
+
 def recall_section(records: list[dict]) -> str:
     """Per model: each policy and mode without and with recall, the score over question turns, the
     most cells a turn held, the store's bytes at the end and recall's time a turn; then the pairs."""
@@ -1113,6 +1142,7 @@ def write_document(out: pathlib.Path, walls: dict, quick: bool) -> None:
         RECALL_TEXT,
         recall_section(records_of(out, "recall-test-")) or "(not run yet)\n",
         RECALL_FINDINGS,
+        recall_pick_section(out),
         "\n## Wall time\n",
         "A stage's seconds add up its runs, cell by cell (a cell cut off midway is not counted). "
         "long-test-qwen-16384 ran across sessions before the time was kept by cell, and its row counts its last "

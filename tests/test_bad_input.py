@@ -182,6 +182,18 @@ CASES = {
         None,
         "--recall must be in 0..",
     ),  # fmt: skip
+    "chat --recall-store -1": (
+        ["chat", "-m", TINY, "--policy", "snapkv", "--budget", "64", "--recall", "8", "--recall-store", "-1"],
+        b"",
+        None,
+        "--recall-store must be a size in MiB",
+    ),  # fmt: skip
+    "serve --recall-store nan": (
+        ["serve", "-m", TINY, "--policy", "snapkv", "--budget", "64", "--recall-store", "nan", "--port", "{port}"],
+        None,
+        None,
+        "--recall-store must be a size in MiB",
+    ),  # fmt: skip
     "-c 4": (["generate", "-m", TINY, "-p", "hi", "-c", "4"], None, None, "at least 256 cells"),
     "-c -1": (["generate", "-m", TINY, "-p", "hi", "-c", "-1"], None, None, "-c must be >= 0"),
     "full --mode chunked": (

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_cache_invariants import check
 
+from kvlite import recall_store
 from kvlite.api import Session
 from kvlite.cache import JointKV, KVCache
 from kvlite.engine import LIVE, Context, Model, Pool, cachetypes, kvstate
@@ -55,7 +56,7 @@ def _context(model: Model, kv_type: str) -> Context:
     return Context(model, n_ctx=256, n_batch=64, n_threads=1, type_k=kv_type, type_v=kv_type, flash_attn=fa)
 
 
-def _recalled_against_before(model: Model, kv_type: str) -> None:
+def _recalled_against_before(model: Model, kv_type: str) -> KVCache:
     ctx = _context(model, kv_type)
     cache = KVCache(ctx, keep_evicted=True)
     cache.append(_tokens(N))
@@ -70,6 +71,16 @@ def _recalled_against_before(model: Model, kv_type: str) -> None:
     for section, rows in enumerate(after):
         assert all(rows[p] == before[section][p] for p in rows), f"section {section}: a cell changed"
     assert list(cache.stored) == sorted(set(GONE) - set(some))
+    return cache
+
+
+@pytest.fixture
+def on_disk(tmp_path, monkeypatch):
+    """Every store beyond a cap of 0 MiB: in a file under a cache folder of the test's own."""
+    monkeypatch.setenv("KVLITE_CACHE", str(tmp_path))
+    recall_store.set_cap(0)
+    yield tmp_path / "recall"
+    recall_store.set_cap(None)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
@@ -85,6 +96,38 @@ def test_quantized_cells_come_back_as_stored(wide, kv_type, rotated, monkeypatch
     if not rotated:
         monkeypatch.setenv(cachetypes.ROTATION_ENV, "1")
     _recalled_against_before(wide, kv_type)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
+def test_a_store_beyond_the_cap_is_a_mapped_file_and_comes_back_bit_for_bit(wide, kv_type, on_disk):
+    """--recall-store: past the cap the store is written out and mapped back, not held in the
+    process's heap; its file is unlinked once mapped, so nothing is left when the store goes."""
+    cache = _recalled_against_before(wide, kv_type)
+    assert not recall_store.in_ram(cache.store) and recall_store.ram_bytes() == 0
+    assert recall_store.disk_bytes() == kvstate.nbytes(cache.store) > 0
+    assert all(isinstance(a.base, np.memmap) for a in cache.store.streams[0].k)
+    assert list(on_disk.iterdir()) == []
+
+
+def test_the_cap_is_the_processs_not_a_conversations(wide, tmp_path, monkeypatch):
+    """Two conversations' stores: the first fits the cap and stays in memory, the second would pass
+    it and goes to disk; a store that replaces its own earlier self is not counted twice."""
+    monkeypatch.setenv("KVLITE_CACHE", str(tmp_path))
+    caches = []
+    for _ in range(2):
+        cache = KVCache(_context(wide, "f16"), keep_evicted=True)
+        cache.append(_tokens(N))
+        caches.append(cache)
+    try:
+        caches[0].evict([p for p in range(N) if p not in GONE[:20]])  # 20 cells, to size the cap by
+        recall_store.set_cap(1.5 * kvstate.nbytes(caches[0].store) / 2**20)
+        caches[0].evict([p for p in range(N) if p not in GONE[:24]])  # 24, replacing itself: in memory
+        assert recall_store.in_ram(caches[0].store)
+        caches[1].evict(KEEP)
+        assert not recall_store.in_ram(caches[1].store) and recall_store.in_ram(caches[0].store)
+        assert recall_store.ram_bytes() == kvstate.nbytes(caches[0].store)
+    finally:
+        recall_store.set_cap(None)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -216,9 +259,12 @@ def test_an_eager_conversation_with_recall_holds_budget_plus_recall(tiny_paths):
         Session(session.model, policy=KNorm(budget=BUDGET)).conversation(recall=RECALL)
 
 
-def test_a_slot_file_carries_the_store(tiny_paths, tmp_path):
+@pytest.mark.parametrize("where", ["ram", "disk"])
+def test_a_slot_file_carries_the_store(tiny_paths, tmp_path, where, request):
     """/save and /load (and a server's slot files): the evicted cells come back with the
-    conversation, bit for bit, and its recall with them."""
+    conversation, bit for bit, and its recall with them, from a store in memory or on disk."""
+    if where == "disk":
+        request.getfixturevalue("on_disk")
     model = Model(tiny_paths["llama"])
     session = Session(model, policy=SnapKV(budget=BUDGET), n_ctx=512, n_threads=1)
     conv = session.conversation(evict="eager", recall=RECALL)
@@ -247,3 +293,31 @@ def test_recall_on_a_pools_lanes(tiny_model):
             conv.turn(" ".join(f"w{i}{j}" for j in range(40)), 3, None, lambda: False)
             assert conv.last.endswith(f"recalled {RECALL}")
             check(conv.runner.cache)
+
+
+def test_a_bare_recall_is_the_tune_splits_pick():
+    """`--recall` without a number takes RECALL_PICK: the N scripts/pick_recall.py's rule chooses
+    from the committed tune-split records, recomputed here (a changed rule or record shows)."""
+    import json
+    import pathlib
+    import sys
+
+    from kvlite.cli import build_parser
+    from kvlite.eval import tune
+    from kvlite.eval.records import read_records
+    from kvlite.evict import RECALL_PICK
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    import pick_recall
+
+    runs = root / "results-runs" / "recall-tune-smol-1024"
+    means = pick_recall.per_conversation(tune.tune_only(read_records(runs)))
+    gains = {n: pick_recall.difference(means, n, 0) for n in pick_recall.RECALLS}
+    assert json.loads((runs / "pick.json").read_text())["pick"] == RECALL_PICK
+    best = max(gains, key=lambda n: gains[n].mean)
+    chosen = [n for n in gains if gains[n].lo > 0 and (n == best or pick_recall.difference(means, best, n).lo <= 0)]
+    assert min(chosen) == RECALL_PICK
+    for command in ("chat", "serve"):
+        assert build_parser().parse_args([command, "--recall"]).recall == RECALL_PICK
+        assert build_parser().parse_args([command, "--recall", "7"]).recall == 7

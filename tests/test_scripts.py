@@ -41,7 +41,9 @@ def test_serve_bench_shows_llama_server_beside_either_eviction_mode(tmp_path):
             {"config": "llama-server-ram", "clients": 1, "evict": "eager", **common, "tok_s": 9.0, "cache_ram_mib": 1},
             {"config": "kvlite-laq", "clients": 1, "evict": "eager", **common, "tok_s": 7.0, "parked_mib": 0.0},
             {"config": "kvlite-laq", "clients": 1, "evict": "lazy", **common, "tok_s": 3.0, "parked_mib": 6.2},
-            {"config": "kvlite-laq", "clients": 2, "evict": "lazy", **{**common, "schema": 1}}]  # fmt: skip
+            {"config": "kvlite-laq", "clients": 2, "evict": "lazy", **{**common, "schema": 1}},
+            {"config": "kvlite-laq", "clients": 1, "evict": "lazy", "recall": 128, **common, "tok_s": 5.0,
+             "parked_mib": 6.0}]  # fmt: skip
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve_vs_llama_server.py"), "--plot-only",
                            "--evict", "lazy", "-t", "2", "--out", str(tmp_path)], capture_output=True, text=True,
@@ -53,6 +55,13 @@ def test_serve_bench_shows_llama_server_beside_either_eviction_mode(tmp_path):
     assert lines[0].split()[8] == "6.2" and lines[1].split()[8] == "7.0"  # host memory: parked, the RAM cache
     assert lines[3:] == ["N=1   kvlite-laq tok/s / llama-server-ram's: 1.50x"], lines
     assert (tmp_path / "serve_vs_llama_server.png").stat().st_size > 0
+    # --recall N: kvlite's rows of that recall only, llama-server-full's still
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serve_vs_llama_server.py"), "--plot-only",
+                           "--evict", "lazy", "--recall", "128", "-t", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    shown = [line.split()[:3] for line in proc.stdout.splitlines()[1:3]]
+    assert shown == [["kvlite-laq", "1", "5.00"], ["llama-server-full", "1", "1.00"]], proc.stdout
 
 
 def test_results_script_says_in_one_line_that_the_native_library_is_missing(tmp_path):

@@ -18,6 +18,7 @@ are its cache's, in model order (section 0 of gemma3: its global layers).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import struct
@@ -348,19 +349,55 @@ def _joined(xs, ys, order: np.ndarray) -> _Layers:
     return _Layers(lambda j: np.concatenate([xs[j], ys[j]])[order], len(xs))
 
 
-def select(state: SeqState, keep: Callable[[int, np.ndarray], np.ndarray]) -> SeqState | None:
+def select(state: SeqState, keep: Callable[[int, np.ndarray], np.ndarray], lazy: bool = False) -> SeqState | None:
     """The cells of each section for which keep(section, positions) is True, held in memory (None:
-    no cell left in section 0)."""
+    no cell left in section 0); lazy: each layer's rows read when asked for, as merge joins them."""
+
+    def rows(layers, idx: np.ndarray):
+        if lazy:
+            return _Layers(lambda j: np.asarray(layers[j])[idx], len(layers))
+        return [np.array(a)[idx] for a in layers]
 
     def part(i: int, st: Stream) -> Stream | None:
         idx = np.flatnonzero(keep(i, st.pos))
         if not len(idx):
             return None
         return dataclasses.replace(st, pos=st.pos[idx], seq_ids=[st.seq_ids[j] for j in idx],
-                                   k=[np.array(k)[idx] for k in st.k], v=[np.array(v)[idx] for v in st.v])  # fmt: skip
+                                   k=rows(st.k, idx), v=rows(st.v, idx))  # fmt: skip
 
     sections = [[None if s[0] is None else part(i, s[0])] for i, s in enumerate(state.sections)]
     return None if sections[0][0] is None else SeqState(state.seq_id, sections[0], sections[1:])
+
+
+def mapped(state: SeqState, path: str | os.PathLike) -> SeqState:
+    """The state's rows written to a file a layer at a time (what merge and a lazy select join is
+    read one layer at a time) and mapped back read-only: the rows then live in the OS's file cache,
+    which it can page out, not in the process's heap. The file is removed once mapped where the
+    OS allows (POSIX): the mapping holds it until the last view of it goes."""
+    layout, offset = [], 0
+    with open(path, "wb") as f:
+        for streams in state.sections:
+            for st in streams:
+                for rows in (*st.k, *st.v) if st else ():
+                    a = np.ascontiguousarray(rows)
+                    layout.append((offset, a.dtype, a.shape))
+                    a.tofile(f)
+                    pad = -a.nbytes % 64  # each array at an aligned offset
+                    f.write(b"\0" * pad)
+                    offset += a.nbytes + pad
+    buf = np.memmap(path, np.uint8, "r") if offset else np.zeros(0, np.uint8)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    views = iter([buf[o : o + dt.itemsize * int(np.prod(shape))].view(dt).reshape(shape) for o, dt, shape in layout])
+
+    def part(st: Stream | None) -> Stream | None:
+        if st is None:
+            return None
+        k = [next(views) for _ in st.k]
+        return dataclasses.replace(st, pos=st.pos.copy(), seq_ids=list(st.seq_ids), k=k, v=[next(views) for _ in st.v])
+
+    sections = [[part(st) for st in streams] for streams in state.sections]
+    return SeqState(state.seq_id, sections[0], sections[1:])
 
 
 def nbytes(state: SeqState | None) -> int:

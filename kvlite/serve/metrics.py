@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from .. import recall_store
+
 
 class Metrics:
     def __init__(self):
@@ -82,9 +84,9 @@ class Metrics:
                 ("decode_seconds_total", "counter", "Time requests spent generating.", [("", self.decode_s)]),
                 ("recall_seconds_total", "counter", "Time requests spent recalling evicted cells (--recall).",
                  [("", self.recall_s)]),
-                ("recall_store_bytes", "gauge", "Host memory of the conversations' stores of evicted cells "
-                 "(--recall; a parked conversation's is in parked_bytes too).",
-                 [("", sum(slot["store_bytes"] for slot in slots))]),
+                ("recall_store_bytes", "gauge", "The conversations' stores of evicted cells (--recall), in host "
+                 "memory (a parked conversation's is in parked_bytes too) and on disk beyond --recall-store.",
+                 [('{where="ram"}', recall_store.ram_bytes()), ('{where="disk"}', recall_store.disk_bytes())]),
                 ("conversations_parked_total", "counter", "Conversations whose cache a pool set aside in host "
                  "memory for another's turn (--kv-cells).", [("", self.parked)]),
                 ("conversations_restored_total", "counter", "Parked conversations restored for their next turn.",

@@ -45,9 +45,10 @@ class Slot:
 
     @property
     def store_bytes(self) -> int:
-        """Host memory of its conversation's store of evicted cells (--recall), parked or not."""
+        """Bytes of its conversation's store of evicted cells (--recall), parked or not, in host
+        memory or on disk (recall_store.py)."""
         if self.parked:
-            return len(self.parked[0].store or b"")
+            return kvstate.nbytes(self.parked[0].store)
         return kvstate.nbytes(self.conversation.runner.cache.store) if self.conversation else 0
 
     def park(self) -> None:
