@@ -376,12 +376,17 @@ class KVCache:
         self._note_cells()
         return len(pos)
 
-    def reread_last(self) -> None:
+    def reread_last(self) -> bool:
         """Decode the last position again in place, so that its logits (the reply's first token)
-        and its cell attend to cells recalled after it was read."""
+        and its cell attend to cells recalled after it was read. Only where the position before it
+        is resident: llama.cpp takes a sequence's new tokens only right after its last position.
+        Returns whether it was read again."""
         last, live = self.n_pos - 1, self.seqs[LIVE]
+        if last < 1 or not self._live[last - 1]:
+            return False
         self.ctx.seq_rm(live, last, last + 1)
         self.ctx.decode([self.tokens[last]], [last], live, "last")
+        return True
 
     def compact(self) -> None:
         """Move the live cells to the front of the cell pool in position order, so the attended

@@ -32,6 +32,9 @@ CHAT_CTX = 4096
 # (results-runs/recall-tune-smol-1024/pick.json). Recall stays off unless asked for: it adds up to
 # N cells beyond the budget to what decode attends.
 RECALL_PICK = 32
+# Whether recall scores with the queries of an eager eviction's lookahead beside the turn's own
+# (scripts/pick_recall.py --queries, on the tune split's recall-queries stage).
+RECALL_LOOKAHEAD = False
 # A message asks something when it has a question mark near its end or opens with one of these
 # (a pasted document with a "?" in its middle does not). The hybrid policy reads it per turn.
 _ASKING = ("what", "who", "whom", "whose", "when", "where", "which", "why", "how", "is", "are", "does", "do", "did",

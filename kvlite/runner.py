@@ -11,7 +11,7 @@ import numpy as np
 from .cache import JointKV, KVCache, Snapshot, copies_workspaces
 from .engine import Capture, Context, Model, Pool, Sampler, SamplingParams
 from .errors import KvliteError
-from .evict import check_recall
+from .evict import RECALL_LOOKAHEAD, check_recall
 from .native import release
 from .policies import FullKV, Policy
 from .policies.observe import Observation, pooled
@@ -35,6 +35,7 @@ class Eviction:
     workspace_forward_passes: int = 0
     next_logits: np.ndarray | None = None
     method: str = ""  # how the scores were made: the policy's name, or what a policy with several ways chose
+    lookahead_queries: list[np.ndarray] = dataclasses.field(default_factory=list)  # its lookahead's [L, H, n, D]
 
 
 @dataclasses.dataclass
@@ -122,6 +123,9 @@ class Runner:
         # the most cells the conversation may hold: its own context's, or its cap in a pool
         self.cap = self.ctx.n_ctx if pool is None else settings.n_ctx
         self.observed: dict[str, np.ndarray] = {}  # queries of the last tokens fed, per kind [L, n, H, D]
+        # the lookahead queries of an eviction after the tokens fed last ([L, H, n, D] each; eager mode)
+        self.turn_lookahead: list[np.ndarray] = []
+        self.recall_lookahead = RECALL_LOOKAHEAD
         self.question: bool | None = None  # whether the tokens fed last end with a question (feed)
         self.sampler = Sampler(settings.sampling)
         self._reset_counters()
@@ -219,7 +223,7 @@ class Runner:
             obs.positions, scores, budget, protected_positions(obs.positions, self.policy.sinks, self.policy.window)
         )
         eviction = Eviction(obs.positions, scores, keep, obs.workspace_views, obs.workspace_forward_passes,
-                            obs.next_logits, obs.method or self.policy.name)  # fmt: skip
+                            obs.next_logits, obs.method or self.policy.name, obs.lookahead_queries)  # fmt: skip
         if self.cache.evict(keep):
             self._compact_due = True
         self.workspace_forward_passes += eviction.workspace_forward_passes
@@ -241,14 +245,16 @@ class Runner:
     def recall(self, room: int) -> int:
         """Bring back the stored cells that the queries of the tokens just read attend most (their
         attention beside the resident cells, max over layers and heads), at most recall_cells and
-        room, and read the last token again beside them. Returns how many came back."""
+        room, and read the last token again beside them. Returns how many came back. With
+        recall_lookahead, the queries of a lookahead that evicted after those tokens count too."""
         n = min(self.recall_cells, room, len(self.cache.stored))
         if n <= 0 or "q" not in self.observed:
             return 0
         t0 = time.perf_counter()
         keys = JointKV(self.cache.cached_kv(), self.cache.store)
         try:
-            queries = np.ascontiguousarray(self.observed["q"].transpose(0, 2, 1, 3))  # [L, H, n, D]
+            ahead = self.turn_lookahead if self.recall_lookahead else []
+            queries = np.ascontiguousarray(np.concatenate([self.observed["q"].transpose(0, 2, 1, 3), *ahead], axis=2))
             scores = aggregate(pooled(queries, keys, self.model.info.kq_scale), "max")
         finally:
             keys.close()
@@ -256,8 +262,8 @@ class Runner:
         stored = np.isin(keys.positions, self.cache.stored)
         candidates = keys.positions[stored]
         self.cache.recall(candidates[ranked(candidates, scores[stored])[:n]])
-        self.cache.reread_last()  # the reply's first token sees them too
-        self._next_logits = None  # a lookahead's saved copy of the last token's logits is stale now
+        if self.cache.reread_last():  # the reply's first token sees them too
+            self._next_logits = None  # a lookahead's saved copy of the last token's logits is stale now
         self.kept_positions = self.cache.positions()
         self.timings.recall_s += time.perf_counter() - t0
         return n
@@ -284,6 +290,7 @@ class Runner:
         unknown), for policies that score a document turn differently (Observation.question).
         Returns False if interrupted (the tokens fed so far stay)."""
         self.question = question
+        self.turn_lookahead = []
         if not tokens:
             raise KvliteError("nothing to feed: the prompt is empty")
         t0 = time.perf_counter()
@@ -305,8 +312,8 @@ class Runner:
             if watching:
                 self.capture.enabled = False
                 self._keep_observed()
-            if evict:
-                self.evict()
+            if evict and (eviction := self.evict()) is not None:
+                self.turn_lookahead = eviction.lookahead_queries
             return True
         finally:
             self.timings.prefill_s += time.perf_counter() - t0

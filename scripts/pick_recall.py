@@ -10,7 +10,14 @@ test-split records are refused by kvlite.eval.tune. The rule, fixed before the d
 Recall stays off by default whatever the pick: it adds up to N cells to what decode attends,
 beyond the budget the user set.
 
+--queries reads the second stage (results-runs/recall-queries-tune-smol-1024: LAQ and EchoKV in
+eager mode, recall 32, scoring with the turn's queries alone or with the eviction's lookahead
+queries beside them, recall_lookahead=0/1). The rule, fixed before the data: the lookahead's
+queries join the turn's (kvlite.evict.RECALL_LOOKAHEAD) if lookahead - turn, averaged over the two
+policies within a conversation and bootstrapped over conversations, has its interval above 0.
+
     .venv/bin/python scripts/pick_recall.py            # writes pick.json beside the records
+    .venv/bin/python scripts/pick_recall.py --queries  # the same for the queries
 """
 
 from __future__ import annotations
@@ -49,6 +56,29 @@ def per_conversation(records: list[dict]) -> dict[int, dict]:
     return out
 
 
+def by_queries(records: list[dict]) -> dict[int, dict]:
+    """recall_lookahead (0, 1) -> {conversation: mean score over the policies}, eager cells both ran."""
+    by: dict = {}
+    for r in records:
+        if "score" in r and r.get("recall") and r["policy"].split("(")[0] in POLICIES:
+            by[(int(r["recall_lookahead"]), report.sample_key(r), r["policy"].split("(")[0])] = r["score"]
+    cells = {k[1:] for k in by if k[0] == 0} & {k[1:] for k in by if k[0] == 1}
+    out: dict = {0: defaultdict(list), 1: defaultdict(list)}
+    for a in (0, 1):
+        for sample, policy in cells:
+            out[a][sample].append(by[(a, sample, policy)])
+    return {a: {s: float(np.mean(v)) for s, v in out[a].items()} for a in (0, 1)}
+
+
+def pick_queries(runs: pathlib.Path) -> None:
+    means = by_queries(tune.tune_only(read_records(runs)))
+    gain = difference(means, 1, 0)
+    result = {"lookahead": bool(gain.lo > 0), "lookahead_minus_turn": gain.__dict__, "conversations": len(means[0])}
+    (runs / "pick.json").write_text(json.dumps(result, indent=1))
+    print(f"lookahead and turn - turn alone: {gain.fmt()}")
+    print(f"pick: RECALL_LOOKAHEAD = {result['lookahead']}  (written to {runs / 'pick.json'})")
+
+
 def difference(means: dict[int, dict], a: int, b: int) -> stats.Interval:
     keys = sorted(means[a])
     return stats.paired_difference([means[a][k] for k in keys], [means[b][k] for k in keys])
@@ -56,9 +86,14 @@ def difference(means: dict[int, dict], a: int, b: int) -> stats.Interval:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", default=str(ROOT / "results-runs" / "recall-tune-smol-1024"))
+    ap.add_argument("--runs", default=None, help="the stage's records (default: the one the mode reads)")
+    ap.add_argument("--queries", action="store_true", help="choose recall's queries, not N")
     args = ap.parse_args()
-    runs = pathlib.Path(args.runs)
+    stage = "recall-queries-tune-smol-1024" if args.queries else "recall-tune-smol-1024"
+    runs = pathlib.Path(args.runs or ROOT / "results-runs" / stage)
+    if args.queries:
+        pick_queries(runs)
+        return
     means = per_conversation(tune.tune_only(read_records(runs)))
     gains = {n: difference(means, n, 0) for n in RECALLS}
     best = max(RECALLS, key=lambda n: gains[n].mean)

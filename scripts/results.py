@@ -169,6 +169,9 @@ def stages(quick: bool = False) -> list[Stage]:
     # ... and N chosen on the tune split (scripts/pick_recall.py: what `--recall` takes without a number)
     out.append(stage("recall-tune-smol-1024", smol, CHAT_TASKS, 1024, 8, "tune", recall_tune_policies(),
                      [RECALL_BUDGET]))  # fmt: skip
+    # ... and the queries it scores with: the turn's alone, or with an eager eviction's lookahead's
+    out.append(stage("recall-queries-tune-smol-1024", smol, CHAT_TASKS, 1024, 8, "tune", recall_query_policies(),
+                     [RECALL_BUDGET]))  # fmt: skip
     return out
 
 
@@ -180,6 +183,14 @@ def recall_policies() -> list[str]:
     """LAQ and EchoKV in lazy mode without and with recall, and eager mode with the larger recall."""
     lazy = [f"{p}(evict=lazy{f',recall={n}' if n else ''})" for p in ("laq", "echokv") for n in (0, *RECALLS)]
     return ["full", *lazy, *(f"{p}(evict=eager,recall={RECALLS[-1]})" for p in ("laq", "echokv"))]
+
+
+def recall_query_policies() -> list[str]:
+    """LAQ and EchoKV in eager mode (where an eviction follows the turn) with N 32 (the tune split's
+    pick, spelled out so these records stay valid), scoring with the turn's queries alone and with
+    the lookahead's beside them."""
+    return ["full", *(f"{p}(evict=eager,recall=32,recall_lookahead={a})" for p in ("laq", "echokv")
+                      for a in (0, 1))]  # fmt: skip
 
 
 def recall_tune_policies() -> list[str]:
@@ -730,7 +741,16 @@ def recall_pick_section(out: pathlib.Path) -> str:
         lines.append(f"| {n} | {iv(gain)} | {iv(behind) if behind else '(the best mean)'} |")
     choice = (f"`--recall` with no number takes {pick['pick']}" if pick["pick"] is not None
               else "no N gained with an interval above 0, so `--recall` needs a number")  # fmt: skip
-    return "\n".join(lines) + f"\n\nThe pick: {choice}. Recall stays off by default.\n"
+    lines.append(f"\nThe pick: {choice}. Recall stays off by default.\n")
+    path = out / "recall-queries-tune-smol-1024" / "pick.json"
+    if path.exists():
+        q = json.loads(path.read_text())
+        lines.append(f"**Its queries** (`recall-queries-tune-smol-1024`, {q['conversations']} conversations, eager "
+                     "mode, recall 32): scoring with an eager eviction's lookahead queries beside the turn's, "
+                     f"against the turn's alone: {iv(q['lookahead_minus_turn'])}, so the lookahead's "
+                     f"{'join them' if q['lookahead'] else 'are not used'} (scripts/pick_recall.py "
+                     "--queries).\n")  # fmt: skip
+    return "\n".join(lines)
 
 
 def recall_section(records: list[dict]) -> str:

@@ -404,7 +404,9 @@ def test_recall_is_a_grid_axis_of_multi_turn_tasks(tiny_paths, tmp_path):
     assert r["decode_cells"] <= 48 + 8  # eager: the budget and what came back, when a reply began
     assert any("recalled" in turn for turn in r["turns"])
     for bad, words in ((dict(tasks=["single"]), "multi-turn tasks only"),
-                       (dict(tasks=["chat"], policies=["knorm(recall=8)"]), "knorm captures none")):  # fmt: skip
+                       (dict(tasks=["chat"], policies=["knorm(recall=8)"]), "knorm captures none"),
+                       (dict(tasks=["chat"], policies=["laq(recall_lookahead=1)"]), "give recall=N too"),
+                       (dict(tasks=["chat"], policies=["laq(recall=8,recall_lookahead=2)"]), "lookahead")):  # fmt: skip
         with pytest.raises(KvliteError, match=words):
             grid_cfg(tiny_paths, tmp_path / "x", **{"policies": ["snapkv(recall=8)"], **bad}).validate()
 

@@ -17,7 +17,7 @@ from kvlite.api import Session
 from kvlite.cache import JointKV, KVCache
 from kvlite.engine import LIVE, Context, Model, Pool, cachetypes, kvstate
 from kvlite.errors import KvliteError
-from kvlite.policies import KNorm, SnapKV
+from kvlite.policies import LAQ, KNorm, SnapKV
 from kvlite.reference.scores import attn_pool
 from kvlite.reference.tiny_gguf import TinySpec, write_tiny_gguf
 from kvlite.runner import Runner, RunSettings
@@ -216,17 +216,24 @@ def test_joint_keys_are_the_keys_of_a_cache_that_never_evicted(tiny_model):
         want.close()
 
 
-def test_recall_brings_back_the_stored_cells_the_turn_attends_most(tiny_paths):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_recall_brings_back_the_stored_cells_the_turn_attends_most(tiny_paths, lookahead):
     """The cells recalled are the top RECALL of the evicted ones by the torch twin's attention of the
     turn's observed queries over every key (kvlite.reference.scores.attn_pool, normalized per layer
-    and head, max over them), computed from a cache that never evicted."""
+    and head, max over them), computed from a cache that never evicted; with recall_lookahead, the
+    queries of the eviction's own lookahead (LAQ's T steps) beside them."""
     model = Model(tiny_paths["llama"])
     tokens = _tokens(200, seed=3)
-    runner = Runner(model, SnapKV(budget=BUDGET), RunSettings(n_ctx=256, n_threads=1), recall=RECALL)
+    policy = LAQ(budget=BUDGET, lookahead=4, workspace=BUDGET) if lookahead else SnapKV(budget=BUDGET)
+    runner = Runner(model, policy, RunSettings(n_ctx=512, n_threads=1), recall=RECALL)
+    runner.recall_lookahead = lookahead
     runner.feed(tokens)
     kept = set(runner.cache.positions().tolist())
     evicted = np.array(sorted(set(range(len(tokens))) - kept))
-    queries = torch.from_numpy(runner.observed["q"].transpose(0, 2, 1, 3).astype(np.float64))
+    ahead = runner.turn_lookahead if lookahead else []
+    assert sum(q.shape[2] for q in ahead) == (4 if lookahead else 0)
+    queries = np.concatenate([runner.observed["q"].transpose(0, 2, 1, 3), *ahead], axis=2)
+    queries = torch.from_numpy(queries.astype(np.float64))
     whole = KVCache(_context(model, "f16"))
     whole.append(tokens)
     _, k, _ = whole.read_kv(model.info.full_layers)  # [L, n, Hkv * D]
@@ -240,6 +247,13 @@ def test_recall_brings_back_the_stored_cells_the_turn_attends_most(tiny_paths):
     recalled = set(runner.cache.positions().tolist()) - kept
     assert recalled == set(evicted[order[:RECALL]].tolist())
     check(runner.cache)
+    if lookahead:
+        # LAQ kept no recent window and dropped the position before the last: llama.cpp takes no
+        # token there again, so the last one is not read again and the reply goes on from its logits
+        assert len(tokens) - 2 not in runner.cache.positions()
+        out, _ = runner.generate(2)
+        assert len(out) == 2
+        check(runner.cache)
     runner.close()
 
 

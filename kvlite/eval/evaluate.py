@@ -91,11 +91,11 @@ class ScoreMemo:
     def scores(self, obs: Observation) -> np.ndarray:
         hit = self.memo.get(self.key)
         if hit is not None and len(hit[0]) == len(obs.positions):
-            obs.workspace_views = list(hit[1])
+            obs.workspace_views, obs.lookahead_queries = list(hit[1]), list(hit[2])
             self.reused = True
             return hit[0]
         scores = self.policy.scores(obs)
-        self.memo[self.key] = (scores, list(obs.workspace_views))
+        self.memo[self.key] = (scores, list(obs.workspace_views), list(obs.lookahead_queries))
         return scores
 
 

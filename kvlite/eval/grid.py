@@ -150,6 +150,8 @@ class GridConfig:
                 raise KvliteError(f"--tasks {t}: a conversation's budget is in cells (a share needs one prompt)")
         single = self.data or self.ruler or [t for t in self.tasks if not tasks.task_kind(t)[0].multi_turn]
         for spec in self.policies:
+            if "recall_lookahead" in run_params(spec) and not run_params(spec).get("recall"):
+                raise KvliteError(f"--policies {spec}: recall_lookahead chooses recall's queries: give recall=N too")
             if run_params(spec).get("recall"):
                 if single:
                     raise KvliteError(f"--policies {spec}: recall brings cells back to a conversation's next turn: "
@@ -451,7 +453,8 @@ class Grid:
                 run = run_params(spec)
                 evict = run.get("evict", GRID_DEFAULT) if budget is not None else "eager"
                 record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads, document,
-                                                    (memo, spec), kv_type, run.get("recall", 0))  # fmt: skip
+                                                    (memo, spec), kv_type, run.get("recall", 0),
+                                                    run.get("recall_lookahead"))  # fmt: skip
                 emit(("record", {**where, **record}))
             except Exception as e:  # noqa: BLE001 - a failing cell is reported and the grid goes on
                 emit(("error", where, _message(e)))

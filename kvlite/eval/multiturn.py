@@ -76,11 +76,13 @@ def run_conversation(
     memo: tuple[dict, str] | None = None,
     kv_type: str = "f16",
     recall: int = 0,
+    recall_lookahead: int | None = None,
 ) -> dict:
     """document: read_document's snapshot (None: the cell reads the document itself; a chunked
     policy, which evicts as it reads, always does). memo: a dict shared by the cells of one
     conversation and this cell's key in it (its policy and mode, not its budget): the first
-    eviction's scores are computed once (FirstEviction)."""
+    eviction's scores are computed once (FirstEviction). recall_lookahead: whether recall scores
+    with an eager eviction's lookahead queries too (None: Runner's default)."""
     if memo is not None and not policy.scores_depend_on_budget() and not policy.continuous:
         store, name = memo
         policy = FirstEviction(policy, store, f"{name} {policy.scoring_key()}")  # as SampleRun.cell keys it
@@ -88,6 +90,8 @@ def run_conversation(
     settings = RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, sampling=SamplingParams(temp=0.0), n_threads=n_threads,
                            type_k=kv_type, type_v=kv_type)  # fmt: skip
     conv = Session(model, policy, settings).conversation(evict=evict, recall=recall)
+    if recall_lookahead is not None:
+        conv.runner.recall_lookahead = bool(recall_lookahead)
     if document is not None and not policy.continuous:
         conv.start_from(document)
     outputs, scores, status, decode_cells = [], [], [], 0
@@ -103,7 +107,8 @@ def run_conversation(
             if answers:
                 scores.append(metrics.score(sample.metric, reply, answers, None))
         cache, t = conv.runner.cache, conv.runner.timings
-        recalled = {"recall": recall, "stored_cells": len(cache.stored), "store_bytes": kvstate.nbytes(cache.store),
+        recalled = {"recall": recall, "recall_lookahead": conv.runner.recall_lookahead,
+                    "stored_cells": len(cache.stored), "store_bytes": kvstate.nbytes(cache.store),
                     "recall_s": t.recall_s} if recall else {}  # fmt: skip
         return {
             "score": sum(scores) / len(scores),

@@ -24,7 +24,14 @@ RUN_PARAMS = {
     "evict": ("evict", Param("evict", "chat eviction mode", type=str, choices=MODES)),
     # multi-turn tasks: evicted cells a turn brings back (kvlite chat --recall; default 0, none)
     "recall": ("recall", Param("recall", "evicted cells a chat turn brings back", minimum=0)),
+    # ... and whether recall scores with an eager eviction's lookahead queries too (1) or not (0;
+    # default evict.RECALL_LOOKAHEAD)
+    "recall_lookahead": (
+        "recall_lookahead",
+        Param("recall_lookahead", "recall with lookahead queries", minimum=0, maximum=1),
+    ),
 }
+RUN_FIELDS = ("chunk", "evict", "recall", "recall_lookahead")  # what RUN_PARAMS set
 QUESTION = "question"
 
 
@@ -50,7 +57,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         elif key in names:
             params[names[key]] = declared[names[key]].parse(value)
         else:
-            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h", "evict", "recall"])
+            known = ", ".join([p.alias or n for n, p in declared.items()] + ["h", *RUN_FIELDS[1:]])
             raise KvliteError(f"policy '{spec}' has no parameter {key}: its parameters are {known}")
     return m.group(1), params
 
@@ -68,7 +75,7 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
     if "budget" in params:
         raise KvliteError(f"policy '{spec}': a grid's budgets are its --budgets axis, not a spec parameter")
     params.setdefault("mode", "prefill-end")
-    for run_param in ("chunk", "evict", "recall"):
+    for run_param in RUN_FIELDS:
         params.pop(run_param, None)
     protect = params.get("window") == QUESTION
     if protect:
@@ -87,7 +94,7 @@ def policy_for(spec: str, budget: int | None, question_tokens: int | None = None
 def run_params(spec: str) -> dict:
     """The cell settings a spec carries (chunk h for chunked mode; evict and recall for multi-turn
     tasks)."""
-    return {k: v for k, v in parse_spec(spec)[1].items() if k in ("chunk", "evict", "recall")}
+    return {k: v for k, v in parse_spec(spec)[1].items() if k in RUN_FIELDS}
 
 
 def budget_order(budget: Budget | None) -> tuple:

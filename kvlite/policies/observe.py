@@ -51,6 +51,7 @@ class Observation:
         self.workspace_forward_passes = 0
         self.next_logits: np.ndarray | None = None  # the prompt's own, saved before a lookahead overwrites them
         self.workspace_views: list[np.ndarray] = []  # prompt positions each lookahead round viewed (diagnostics)
+        self.lookahead_queries: list[np.ndarray] = []  # each lookahead step's queries [L, H, n, D] (recall reads them)
         self.method: str | None = None  # how the policy scored, when it has more than one way (the hybrid)
 
     # -- what the prefill left ------------------------------------------------------------------
@@ -146,7 +147,9 @@ class Lookahead:
             q = np.stack([self.capture.take("q", il) for il in info.full_layers])  # [L, n, H, D]
         finally:
             self.capture.enabled = False
-        return np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+        q = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+        self.obs.lookahead_queries.append(q)
+        return q
 
     def reconstruct(self, tokens: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Teacher-force tokens on the workspace after what it views (KVzip's repeat pass). Returns
