@@ -19,13 +19,16 @@ struct kvl_ctx * kvl_init(int n_threads, const char * device) {
     }
     ggml_backend_t cpu = ggml_backend_cpu_init();
     if (!cpu) { kvl_free(c); return NULL; }
-    ggml_backend_cpu_set_n_threads(cpu, n_threads > 0 ? n_threads : 1);
+    c->n_threads = n_threads > 0 ? n_threads : 1;
+    ggml_backend_cpu_set_n_threads(cpu, c->n_threads);
     c->backends[c->n_backends++] = cpu;
     return c;
 }
 
 void kvl_set_threads(struct kvl_ctx * c, int n_threads) {
-    if (c) ggml_backend_cpu_set_n_threads(c->backends[c->n_backends - 1], n_threads > 0 ? n_threads : 1);
+    if (!c) return;
+    c->n_threads = n_threads > 0 ? n_threads : 1;
+    ggml_backend_cpu_set_n_threads(c->backends[c->n_backends - 1], c->n_threads);
 }
 
 // n_rows rows of n_per_row values of a ggml type (a KV cache's bf16, q8_0, q4_0, ...) widened to

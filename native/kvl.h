@@ -53,6 +53,7 @@ static inline struct ggml_tensor * kvl_rope_ext(struct ggml_context * g, struct 
 struct kvl_ctx {
     ggml_backend_t backends[2];
     int n_backends;
+    int n_threads;  // the CPU backend's
     ggml_backend_sched_t sched;
     size_t sched_size;  // the graph size the scheduler was made for
 };

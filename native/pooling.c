@@ -1,5 +1,97 @@
 // EchoKV scores: attention pooling (Eq. 3) and RoPE proposals (Eq. 2).
+#include <math.h>
+
 #include "kvl.h"
+
+// exp(x) in float, branch-free so the compiler vectorizes its loop (libm's expf is a call): Cephes'
+// expf, 2^n exp(r) with |r| <= ln2/2 and a degree-7 polynomial, relative error ~1e-7. x below
+// KVL_EXP_MIN gives 0 (a masked key's -1e30 included), as the softmax's underflow would.
+#define KVL_EXP_MIN (-87.0f)
+static inline float kvl_exp(float x) {
+    const float c = x < KVL_EXP_MIN ? KVL_EXP_MIN : x;
+    const float n = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float e = p * r * r + r + 1.0f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t) n + 127) << 23};
+    return x < KVL_EXP_MIN ? 0.0f : e * two_n.f;
+}
+
+// The three passes over one row of logits that the fused op makes, all in cache: v = x * scale +
+// mask and its maximum; e = exp(v - max) and its sum; out += e / sum. Cloned for AVX-512 and AVX2
+// where the compiler can (the library is built once for every x86-64 CPU).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void kvl_softmax_add_row(const float * x, const float * mask, float scale, int len, float * e, float * out) {
+    // maxima and sums kept in KVL_LANES lanes: a float reduction in one accumulator is not
+    // reordered, so not vectorized, without -ffast-math (which would also change NaN and inf)
+    enum { KVL_LANES = 16 };
+    const int body = len - len % KVL_LANES;
+    float lane[KVL_LANES];
+    for (int j = 0; j < KVL_LANES; j++) lane[j] = -INFINITY;
+    for (int i = 0; i < len; i++) e[i] = x[i] * scale + (mask ? mask[i] : 0.0f);
+    for (int i = 0; i < body; i += KVL_LANES) {
+        for (int j = 0; j < KVL_LANES; j++) lane[j] = e[i + j] > lane[j] ? e[i + j] : lane[j];
+    }
+    float mx = -INFINITY;
+    for (int j = 0; j < KVL_LANES; j++) mx = lane[j] > mx ? lane[j] : mx;
+    for (int i = body; i < len; i++) mx = e[i] > mx ? e[i] : mx;
+    for (int i = 0; i < len; i++) e[i] = kvl_exp(e[i] - mx);
+    for (int j = 0; j < KVL_LANES; j++) lane[j] = 0.0f;
+    for (int i = 0; i < body; i += KVL_LANES) {
+        for (int j = 0; j < KVL_LANES; j++) lane[j] += e[i + j];
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < KVL_LANES; j++) sum += lane[j];
+    for (int i = body; i < len; i++) sum += e[i];
+    const float inv = 1.0f / sum;
+    for (int i = 0; i < len; i++) out[i] += e[i] * inv;
+}
+
+struct kvl_colsum {
+    float scale;
+};
+
+// A custom op (CPU): dst [len, n_head_kv, parts] from src[0], the logits [len, rows, n_head_kv];
+// src[1]: scratch [len, parts], a row for each thread; src[2]: the key mask [len], if any. Thread
+// ith takes every nth row and adds its softmax to part ith; the graph sums the parts. One read of
+// the logits and no write, where ggml's softmax and one add per row made four passes and two
+// writes (docs/cache.md, "Where an eviction's time goes").
+static void kvl_softmax_colsum(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const struct kvl_colsum * a = userdata;
+    const struct ggml_tensor * x = dst->src[0];
+    const float * mask = dst->src[2] ? (const float *) dst->src[2]->data : NULL;
+    const int len = (int) x->ne[0], n_head_kv = (int) x->ne[2], parts = (int) dst->ne[2];
+    const size_t part = (size_t) len * n_head_kv;
+    float * out = (float *) dst->data + (size_t) ith * part;
+    float * e = (float *) dst->src[1]->data + (size_t) ith * len;
+    memset(out, 0, part * sizeof(float));
+    if (ith == 0 && parts > nth) memset((float *) dst->data + (size_t) nth * part, 0, (parts - nth) * part * sizeof(float));
+    const int rows = (int) x->ne[1];  // the block's queries x the group's query heads
+    for (int j = ith; j < rows * n_head_kv; j += nth) {
+        const int h = j / rows, r = j % rows;
+        const float * row = (const float *) ((const char *) x->data + (size_t) r * x->nb[1] + (size_t) h * x->nb[2]);
+        kvl_softmax_add_row(row, mask, a->scale, len, e, out + (size_t) h * len);
+    }
+}
+
+// What kvl_softmax_colsum computes, as a graph node: [n_keys, n_head_kv], summed over the parts.
+static struct ggml_tensor * kvl_fused_colsum(struct ggml_context * g, struct ggml_tensor * x, struct ggml_tensor * tm,
+                                             const struct kvl_colsum * a, int parts) {
+    const int64_t len = x->ne[0], n_head_kv = x->ne[2];
+    struct ggml_tensor * args[] = {x, ggml_new_tensor_2d(g, GGML_TYPE_F32, len, parts), tm};
+    struct ggml_tensor * y = ggml_custom_4d(g, GGML_TYPE_F32, len, n_head_kv, parts, 1, args, tm ? 3 : 2,
+                                            kvl_softmax_colsum, parts, (void *) a);
+    struct ggml_tensor * s = ggml_view_2d(g, y, len, n_head_kv, y->nb[1], 0);
+    for (int p = 1; p < parts; p++) s = ggml_add(g, s, ggml_view_2d(g, y, len, n_head_kv, y->nb[1], p * y->nb[2]));
+    return parts > 1 ? s : ggml_cont(g, s);
+}
 
 // Logits of keys [c0, c0 + len) for every query, times scale (1: left to the softmax), plus the
 // key mask: [len, rows, n_head_kv] (rows = the block's queries x the group's query heads).
@@ -13,9 +105,12 @@ static struct ggml_tensor * kvl_chunk_logits(struct ggml_context * g, struct ggm
 
 // One block of queries (qb: f32 [head_dim, nb, n_head], the block's query rows b0..b0+nb) pooled
 // over every key of the layer kl (f32 [head_dim, n_keys, n_head_kv]): [n_keys, n_head_kv].
+// colsum: the softmax and the sum over queries in one custom op of `parts` threads (the CPU; one
+// chunk, a sum, no causal tail), else ggml's own ops, which every backend has.
 static struct ggml_tensor * kvl_pool_block(struct ggml_context * g, struct ggml_tensor * qb, struct ggml_tensor * kl,
                                            struct ggml_tensor * tm, int n_q, int b0, float scale, int chunk,
-                                           int reduce_max, int causal_tail) {
+                                           int reduce_max, int causal_tail, const struct kvl_colsum * colsum,
+                                           int parts) {
     const int n_keys = (int) kl->ne[1], n_head_kv = (int) kl->ne[2];
     const int nb = (int) qb->ne[1], group = (int) qb->ne[2] / n_head_kv, rows = nb * group;
     // The queries of a KV group are adjacent heads: as [D, nb * group, n_head_kv] each cached head
@@ -23,6 +118,9 @@ static struct ggml_tensor * kvl_pool_block(struct ggml_context * g, struct ggml_
     // then have the same memory layout as [len, nb, n_head].
     struct ggml_tensor * qg = ggml_reshape_3d(g, qb, qb->ne[0], rows, n_head_kv);
     const int n_chunk = (n_keys + chunk - 1) / chunk;
+    if (colsum && n_chunk == 1 && !reduce_max && causal_tail == 0) {
+        return kvl_fused_colsum(g, kvl_chunk_logits(g, qg, kl, NULL, 0, n_keys, 1.0f), tm, colsum, parts);
+    }
     // One unmasked chunk: the scale is fused into ggml's softmax (a pass over the logits fewer)
     const float fused = n_chunk == 1 && !tm && scale > 0.0f ? scale : 1.0f;
     // Softmax over all keys in one pass over the chunks: keep each chunk's e = exp(x - m_c)
@@ -131,12 +229,16 @@ static int kvl_pool_layer(struct kvl_ctx * c, const float * q_layer, const void 
     // f16 and quantized keys are widened first: a mixed product would round the queries to the
     // keys' type (f16: parity with the torch twin then fails its tolerance)
     struct ggml_tensor * kl = k_type == GGML_TYPE_F32 ? tk : ggml_cast(g, tk, GGML_TYPE_F32);
+    // the fused op on the CPU alone: on a device it would bring every block's logits back to the host
+    const struct kvl_colsum colsum = {scale};
+    const struct kvl_colsum * fused = c->n_backends == 1 ? &colsum : NULL;
     struct ggml_tensor * s = NULL;  // [n_keys, n_head_kv]
     for (int b0 = 0; b0 < n_q; b0 += block) {
         const int nb = b0 + block <= n_q ? block : n_q - b0;
         struct ggml_tensor * qb = n_block == 1 ? tq :
             ggml_cont(g, ggml_view_3d(g, tq, head_dim, nb, n_head, tq->nb[1], tq->nb[2], (size_t) b0 * tq->nb[1]));
-        struct ggml_tensor * sb = kvl_pool_block(g, qb, kl, tm, n_q, b0, scale, chunk, reduce_max, causal_tail);
+        struct ggml_tensor * sb = kvl_pool_block(g, qb, kl, tm, n_q, b0, scale, chunk, reduce_max, causal_tail,
+                                                 fused, c->n_threads);
         if (!sb) { ggml_free(g); return KVL_NO_MEMORY; }
         s = !s ? sb : reduce_max ? kvl_max2(g, s, sb) : ggml_add(g, s, sb);
     }

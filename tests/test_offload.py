@@ -119,8 +119,12 @@ def test_kernels_run_on_the_device(rpc_endpoint):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["cpu"]["on"] == "CPU" and out["RPC0"]["on"].startswith("RPC0")
-    for key in ("pool", "zip"):  # the same f32 graph on the same CPU code behind the socket
-        np.testing.assert_array_equal(np.array(out["RPC0"][key]), np.array(out["cpu"][key]))
+    # KVzip's max: the same f32 graph on the same CPU code behind the socket, to the bit
+    np.testing.assert_array_equal(np.array(out["RPC0"]["zip"]), np.array(out["cpu"]["zip"]))
+    # the pooled sum: on the CPU alone softmax and sum are one fused op (native/pooling.c) with its
+    # own exp (Cephes' polynomial, ~1e-7 relative, where ggml's differs as much) and its own order
+    # of the queries' sum; 4e-6 relative is a few float32 ulps of a sum of up to a few dozen terms
+    np.testing.assert_allclose(np.array(out["RPC0"]["pool"]), np.array(out["cpu"]["pool"]), rtol=4e-6, atol=1e-9)
 
 
 CONTEXT_CLOSES = """
