@@ -66,7 +66,7 @@ class Session:
         **overrides,
     ):
         """model: a GGUF path, a loaded Model, or None for the default (SmolLM2-135M-Instruct);
-        settings: how to run it (RunSettings; n_ctx 0 = as needed, see runner.plan_context), or
+        settings: how to run it (RunSettings; n_ctx 0 = as needed, see settings.plan_context), or
         its fields as keywords (Session(policy=p, n_ctx=2048)); n_gpu_layers: -ngl when the model is
         loaded here (None: all layers on a GPU build); pool: run every conversation and generation on
         a lane of this shared context (engine.Pool) rather than on a context of its own."""
