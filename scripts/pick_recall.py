@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvlite.eval import report, stats, tune  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
+from kvlite.eval.specs import spec_name  # noqa: E402
 
 POLICIES = ("laq", "echokv")
 RECALLS = (32, 64, 128, 256)  # as scripts/results.py's RECALL_TUNE
@@ -44,8 +45,8 @@ def per_conversation(records: list[dict]) -> dict[int, dict]:
     """recall N -> {conversation: mean score over the policies}, lazy cells that every N ran."""
     by: dict = {}
     for r in records:
-        if "score" in r and r.get("evict") == "lazy" and r["policy"].split("(")[0] in POLICIES:
-            by[(r.get("recall", 0), report.sample_key(r), r["policy"].split("(")[0])] = r["score"]
+        if "score" in r and r.get("evict") == "lazy" and spec_name(r["policy"]) in POLICIES:
+            by[(r.get("recall", 0), report.sample_key(r), spec_name(r["policy"]))] = r["score"]
     cells = set.intersection(*({k[1:] for k in by if k[0] == n} for n in (0, *RECALLS)))
     out: dict = {}
     for n in (0, *RECALLS):
@@ -60,8 +61,8 @@ def by_queries(records: list[dict]) -> dict[int, dict]:
     """recall_lookahead (0, 1) -> {conversation: mean score over the policies}, eager cells both ran."""
     by: dict = {}
     for r in records:
-        if "score" in r and r.get("recall") and r["policy"].split("(")[0] in POLICIES:
-            by[(int(r["recall_lookahead"]), report.sample_key(r), r["policy"].split("(")[0])] = r["score"]
+        if "score" in r and r.get("recall") and spec_name(r["policy"]) in POLICIES:
+            by[(int(r["recall_lookahead"]), report.sample_key(r), spec_name(r["policy"]))] = r["score"]
     cells = {k[1:] for k in by if k[0] == 0} & {k[1:] for k in by if k[0] == 1}
     out: dict = {0: defaultdict(list), 1: defaultdict(list)}
     for a in (0, 1):

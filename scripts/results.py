@@ -36,6 +36,7 @@ from kvlite.errors import KvliteError  # noqa: E402
 from kvlite.eval import report, ruler, stats, tune  # noqa: E402
 from kvlite.eval.grid import Grid, GridConfig  # noqa: E402
 from kvlite.eval.records import read_records, write_atomic  # noqa: E402
+from kvlite.eval.specs import spec_items, spec_name, with_param, without_param  # noqa: E402
 from kvlite.eval.tasks import PASTE  # noqa: E402
 from kvlite.policies.lookahead import LONG_CACHE, LONG_PROPOSALS  # noqa: E402
 from kvlite.progress import progress_bar  # noqa: E402
@@ -58,13 +59,9 @@ def echokv_spec() -> str:
     return json.loads(pick.read_text())["pick"] if pick.exists() else FALLBACK_ECHOKV
 
 
-def spec_params(spec: str) -> dict[str, str]:
-    return dict(p.split("=") for p in spec[spec.index("(") + 1 : -1].split(",")) if "(" in spec else {}
-
-
 def laq_spec(echokv: str) -> str:
     """LAQ at equal workspace forward passes: EchoKV's T, and its workspace B1."""
-    params = spec_params(echokv)
+    params = spec_items(echokv)
     return f"laq(T={params['T']},B1={params['B1']})"
 
 
@@ -233,7 +230,7 @@ def long_specs(length: int) -> dict[str, str]:
     default's rule, the budget itself above 512 (LAQ's: 1024), as a user's `--budget 655` gets."""
     e = echokv_spec()
     laq = laq_spec(e)
-    if max(long_budgets(length)) > int(spec_params(e)["B1"]):
+    if max(long_budgets(length)) > int(spec_items(e)["B1"]):
         e, laq = without_param(e, "B1"), without_param(laq, "B1")
     named = {"snapkv": "snapkv", "laq": laq, "echokv": e}  # e: P = LONG_PROPOSALS, its default at these lengths
     named.update({f"echokv, P={p}": with_param(e, f"P={p}") for p in LONG_OTHER_P})
@@ -291,17 +288,6 @@ def small_budget_policies() -> list[str]:
     e = echokv_spec()
     swaps = [("kernel=13", "kernel=7"), ("B1=512", "B1=1024"), ("S=16", "S=1")]
     return ["full", "laq", laq_spec(e), e, *(e.replace(a, b) for a, b in swaps if a in e)]
-
-
-def with_param(spec: str, param: str) -> str:
-    """spec with one more parameter ("name=value")."""
-    return f"{spec[:-1]},{param})" if spec.endswith(")") else f"{spec}({param})"
-
-
-def without_param(spec: str, name: str) -> str:
-    """spec less its parameter `name`."""
-    kept = [f"{k}={v}" for k, v in spec_params(spec).items() if k != name]
-    return f"{spec[: spec.index('(')]}({','.join(kept)})" if kept else spec.partition("(")[0]
 
 
 def with_question(spec: str) -> str:
@@ -682,7 +668,7 @@ def chat_table(records: list[dict]) -> str:
     by: dict = defaultdict(lambda: defaultdict(list))
     for r in records:
         if "score" in r:
-            cell = (r["policy"].split("(")[0], r["budget"], r.get("evict", "eager"))
+            cell = (spec_name(r["policy"]), r["budget"], r.get("evict", "eager"))
             by[(r["model"], r.get("split", "tune"))][cell].append(r)
     cols = [(b, m) for b in BUDGETS for m in ("eager", "lazy")]
     out = []
@@ -773,7 +759,7 @@ def recall_section(records: list[dict]) -> str:
             store = max(r.get("store_bytes", 0) for r in cell) / 2**20
             ms = 1000 * sum(r.get("recall_s", 0) for r in cell) / turns
             decode = max((r["decode_cells"] for r in cell if "decode_cells" in r), default=None)
-            out.append(f"| {without_param(spec, 'recall')} | {spec_params(spec).get('recall', 0)} | "
+            out.append(f"| {without_param(spec, 'recall')} | {spec_items(spec).get('recall', 0)} | "
                        f"{pct([r['score'] for r in cell])} | {max(r['max_cells'] for r in cell)} | "
                        f"{'-' if decode is None else decode} | {store:.1f} MiB (max) | {ms:.0f} ms |")  # fmt: skip
         out.append("")

@@ -105,3 +105,20 @@ def test_cache_evolution_plot(tmp_path):
     path = report.plot_evolution(record, tmp_path / "e.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
     assert report.plot_evolution({**record, "evolution": []}, tmp_path / "none.png") is None
+
+
+def test_one_spec_codec_reads_and_writes_specs():
+    """kvlite.eval.specs reads a spec's name and its parameters as written, and adds or drops one,
+    for the reports and scripts/results.py alike (issue 64: three codecs were one too many)."""
+    from kvlite.eval.specs import parse_spec, spec_items, spec_name, with_param, without_param
+
+    spec = "echokv(S=16,T=24,kernel=13,B1=512,aggregate=max)"
+    assert spec_name(spec) == "echokv" and spec_name("full") == "full"
+    assert spec_items(spec) == {"S": "16", "T": "24", "kernel": "13", "B1": "512", "aggregate": "max"}
+    assert without_param(spec, "B1") == "echokv(S=16,T=24,kernel=13,aggregate=max)"
+    assert without_param("laq(T=24)", "T") == "laq" and with_param("laq", "T=24") == "laq(T=24)"
+    assert with_param("laq(T=24)", "B1=512") == "laq(T=24,B1=512)"
+    # what the codec writes, the parser reads
+    assert parse_spec(without_param(spec, "B1"))[1] == {
+        k: v for k, v in parse_spec(spec)[1].items() if k != "workspace"
+    }

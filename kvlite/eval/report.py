@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import KvliteError
 from . import stats
-from .specs import budget_order
+from .specs import budget_order, spec_name
 
 FIDELITY = ("exact_match", "token_agreement", "kl", "top1", "evidence_kept")
 # score_lo / score_hi: the 95% percentile-bootstrap interval of the mean score over samples (stats.py).
@@ -47,7 +47,7 @@ def _policy_order(spec: str) -> tuple:
     from ..policies import POLICIES
 
     names = list(POLICIES)
-    base = spec.split("(")[0]
+    base = spec_name(spec)
     return (names.index(base) if base in names else len(names), spec)
 
 
@@ -136,7 +136,7 @@ def mode_difference(records: list[dict], budgets: tuple = (128, 256)) -> stats.I
     by: dict = {}
     for r in records:
         if "score" in r and r.get("budget") in budgets and r.get("evict") in ("eager", "lazy"):
-            by[(sample_key(r), r["policy"].split("(")[0], r["budget"], r["evict"])] = r["score"]
+            by[(sample_key(r), spec_name(r["policy"]), r["budget"], r["evict"])] = r["score"]
     cells = sorted({k[:-1] for k in by if k[-1] == "lazy"} & {k[:-1] for k in by if k[-1] == "eager"})
     if not cells:
         raise KvliteError("no cell ran in both chat modes")

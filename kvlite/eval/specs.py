@@ -35,9 +35,36 @@ RUN_FIELDS = ("chunk", "evict", "recall", "recall_lookahead")  # what RUN_PARAMS
 QUESTION = "question"
 
 
+_SPEC = re.compile(r"\s*([\w-]+)\s*(?:\((.*)\))?\s*")  # name(key=value,...): the one way a spec is read
+
+
+def spec_name(spec: str) -> str:
+    """ "echokv(T=8)" -> "echokv" (the text before the parameters, as written)."""
+    m = _SPEC.fullmatch(spec)
+    return m.group(1) if m else spec.partition("(")[0].strip()
+
+
+def spec_items(spec: str) -> dict[str, str]:
+    """ "echokv(T=8,B1=512)" -> {"T": "8", "B1": "512"}: the parameters as written, unparsed."""
+    m = _SPEC.fullmatch(spec)
+    items = (item.partition("=") for item in filter(None, ((m and m.group(2)) or "").split(",")))
+    return {k.strip(): v.strip() for k, _, v in items}
+
+
+def with_param(spec: str, param: str) -> str:
+    """spec with one more parameter ("name=value")."""
+    return f"{spec[:-1]},{param})" if spec.endswith(")") else f"{spec}({param})"
+
+
+def without_param(spec: str, name: str) -> str:
+    """spec less its parameter `name`."""
+    kept = [f"{k}={v}" for k, v in spec_items(spec).items() if k != name]
+    return f"{spec_name(spec)}({','.join(kept)})" if kept else spec_name(spec)
+
+
 def parse_spec(spec: str) -> tuple[str, dict]:
     """ "echokv(T=8,aggregate=mean)" -> ("echokv", {"lookahead": 8, "aggregation": "mean"})."""
-    m = re.fullmatch(r"\s*([\w-]+)\s*(?:\((.*)\))?\s*", spec)
+    m = _SPEC.fullmatch(spec)
     if not m or m.group(1) not in POLICIES:
         raise KvliteError(f"unknown policy '{spec}': choose from {', '.join(POLICIES)} (parameters as name(T=8))")
     declared = POLICIES[m.group(1)].params()
