@@ -1274,7 +1274,8 @@ task and length at RULER's seed (42), in RULER's instruction mode (the task as t
 message, the answer prefix after the assistant's header; Gemma-3-270M, a base model, the base template).
 Budgets are shares of each prompt, kvpress's compression ratios 0.75 and 0.875 (25% and 12.5% kept) and
 2% (98% removed); on SmolLM2 and Gemma, stages of their own (`ruler-more-*`, the same samples) add 75%,
-50%, 10% and 1% kept, kvpress's other ratios and the issue's 1%, a column each once run; scores are RULER's x100 (string_match_all; string_match_part for qa). No default was
+50%, 10% and 1% kept, kvpress's other ratios and the issue's 1%, a column each once run; scores are
+RULER's x100 (string_match_all; string_match_part for qa). No default was
 chosen on these records: the policies are the tune split's picks, with EchoKV's workspace B1 by its
 default's rule (the budget when above 512: a quarter of a 4K prompt is) and LAQ at its own default (B1 1024,
 T 24, the pick's T). The cells evict once the whole prompt, its question included, has been read (as every
