@@ -7,9 +7,9 @@ import json
 import pathlib
 import sys
 
-from . import __version__, recall_store
+from . import __version__
 from .errors import KvliteError
-from .evict import CHAT_CTX, MODES, RECALL_PICK
+from .evict import CHAT_CTX, MODES, RECALL_PICK, RECALL_STORE_SHARE
 from .limits import DEFAULT_CHUNK
 from .process import (
     CLOSED,
@@ -288,8 +288,9 @@ def _read_prompt(args) -> str:
         text = decode_utf8(sys.stdin.buffer.read(), "the prompt on stdin")
     else:
         raise KvliteError("no prompt: use -p TEXT, -f FILE or pipe it on stdin")
-    if not text.strip():
-        raise KvliteError("the prompt is empty")
+    from .api import check_text
+
+    check_text(text, "the prompt")  # before the model loads (Session.generate checks it too)
     return text
 
 
@@ -333,11 +334,12 @@ def _add_recall_args(p: argparse.ArgumentParser, default: int | None, more: str)
                    "(docs/policies.md, Recall; off by default)")  # fmt: skip
     p.add_argument("--recall-store", type=float, default=None, metavar="MiB",
                    help="the most host memory the kept cells take; beyond it they go to a file under kvlite's "
-                   f"cache folder (default: {recall_store.DEFAULT_SHARE * 100:.0f}%% of the memory available at the "
+                   f"cache folder (default: {RECALL_STORE_SHARE * 100:.0f}%% of the memory available at the "
                    "first eviction)")  # fmt: skip
 
 
 def cmd_chat(args) -> int:
+    from . import recall_store
     from .chat import read_document, read_saved, run_chat
     from .evict import check_recall
     from .models import resolve_model
@@ -383,6 +385,7 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise KvliteError(f"kvlite serve needs the serve extra ({e.name} is missing): pip install 'kvlite[serve]' "
                           "or bash scripts/setup.sh --serve") from None  # fmt: skip
+    from . import recall_store
     from .engine.model import offloaded_layers
     from .evict import check_recall
     from .serve import ServeConfig

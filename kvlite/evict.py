@@ -32,6 +32,9 @@ CHAT_CTX = 4096
 # (results-runs/recall-tune-smol-1024/pick.json). Recall stays off unless asked for: it adds up to
 # N cells beyond the budget to what decode attends.
 RECALL_PICK = 32
+# The host memory the stores of evicted cells may take without --recall-store: this share of the
+# memory available when the first is kept (kvlite/recall_store.py; beyond it they go to disk).
+RECALL_STORE_SHARE = 0.25
 # Whether recall scores with the queries of an eager eviction's lookahead beside the turn's own
 # (scripts/pick_recall.py --queries, on the tune split's recall-queries stage).
 RECALL_LOOKAHEAD = False

@@ -12,11 +12,10 @@ import weakref
 
 from .engine import kvstate
 from .errors import KvliteError
+from .evict import RECALL_STORE_SHARE
 from .models import cache_dir
 
-DEFAULT_SHARE = 0.25  # of the memory available when the first store is kept, without --recall-store
-
-_cap: int | None = None  # bytes; None: DEFAULT_SHARE of the available memory, read on first use
+_cap: int | None = None  # bytes; None: RECALL_STORE_SHARE of the available memory, read on first use
 _in_ram: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a store held in memory
 _on_disk: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a store in a mapped file
 _names = itertools.count()
@@ -24,7 +23,7 @@ _names = itertools.count()
 
 def set_cap(mib: float | None) -> None:
     """The most host memory (MiB) the stores of this process hold before they go to disk; None:
-    DEFAULT_SHARE of the memory available then. 0 sends every store to disk."""
+    RECALL_STORE_SHARE of the memory available then. 0 sends every store to disk."""
     global _cap
     if mib is not None and not (math.isfinite(mib) and mib >= 0):
         raise KvliteError(f"--recall-store must be a size in MiB, 0 or more (got {mib})")
@@ -34,7 +33,7 @@ def set_cap(mib: float | None) -> None:
 def cap() -> int:
     global _cap
     if _cap is None:
-        _cap = int(DEFAULT_SHARE * available_memory())
+        _cap = int(RECALL_STORE_SHARE * available_memory())
     return _cap
 
 

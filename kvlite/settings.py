@@ -50,8 +50,7 @@ def plan_context(policy: Policy, n_ctx: int, n_tokens: int, n_predict: int, chun
 
     n_ctx 0 means "as needed": the whole text for policies that keep everything until the prompt
     ends, budget + chunk for a continuously evicting one (any prompt length then fits)."""
-    if chunk <= 0:
-        raise KvliteError(f"--chunk must be positive, got {chunk}")
+    check_int("--chunk", chunk, 1)  # as RunSettings does, for callers that pass their own
     if 0 < n_ctx < MIN_CTX:
         raise KvliteError(f"-c {n_ctx}: llama.cpp allocates at least {MIN_CTX} cells; use -c 0 (as needed) or "
                           f"-c {MIN_CTX} or more, and --budget to keep fewer")  # fmt: skip
