@@ -117,7 +117,7 @@ class Native:
         # The kernels share one scheduler and its buffers: a server's conversations evict from
         # several threads, one kernel at a time, on the thread that runs llama.cpp's decodes when
         # one does (a pool's batcher: executor). With OpenMP a second thread computing ggml graphs
-        # brings a second team of workers, and llama_decode ran 2.5x slower from then on.
+        # brings a second team of workers, which slows llama_decode for good (docs/design.md).
         self.lock = threading.Lock()
         self.executor: Callable[[Callable[[], T]], T] | None = None
         path = pathlib.Path(path) if path else _find_library()
@@ -407,7 +407,7 @@ def max_smooth(scores: np.ndarray, kernel: int) -> np.ndarray:
     if kernel <= 1:
         return scores
     out = scores.copy()
-    for d in range(1, min(kernel // 2, scores.shape[-1] - 1) + 1):  # a shifted maximum a side: ~10x a window view
+    for d in range(1, min(kernel // 2, scores.shape[-1] - 1) + 1):  # a shifted maximum a side, faster than a window view
         np.maximum(out[..., d:], scores[..., :-d], out=out[..., d:])
         np.maximum(out[..., :-d], scores[..., d:], out=out[..., :-d])
     return out

@@ -198,8 +198,8 @@ static struct ggml_tensor * kvl_max2(struct ggml_context * g, struct ggml_tensor
 // Memory: one graph per layer, its queries in blocks sized so that a block's probabilities stay
 // under KVL_POOL_BYTES; the graph allocator reuses one block's buffers for the next, so beyond the
 // inputs an eviction holds ~KVL_POOL_BYTES and the layer's keys widened to f32, not queries x keys
-// x heads (EchoKV's 384 proposals over 8K keys were 113 MB a layer). One graph, not one per block:
-// the layer's keys are copied in and widened once (per block, that was a third of the time).
+// x heads (docs/cache.md). One graph, not one per block: the layer's keys are copied in and widened
+// once.
 #ifndef KVL_POOL_BYTES
 #define KVL_POOL_BYTES (8u << 20)
 #endif

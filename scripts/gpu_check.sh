@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (issue 28), prepared here and run on a GPU machine that has no network: its tree
+# The GPU check (docs/gpu.md), prepared here and run on a GPU machine that has no network: its tree
 # travels capped at 64 MiB, a command runs 10 minutes at most, all tries get 15 (docs/gpu.md).
 #
 #   bash scripts/gpu_check.sh --pack DIR      here, with PyPI: writes the archive into DIR, prints its size

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Vulkan as a tested backend (issue 28): a real GPU backend on a machine without a GPU.
+# Vulkan as a tested backend (docs/gpu.md): a real GPU backend on a machine without a GPU.
 #
 # The Vulkan venv is build/vulkan/venv: a hard-linked copy of .venv (the CPU build, kvlite
 # installed) with two of llama-cpp-python's libraries swapped for ones built with ggml's Vulkan

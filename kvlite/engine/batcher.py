@@ -1,4 +1,4 @@
-"""Continuous batching on a pool's context (issue 31). Each conversation runs on a thread of its
+"""Continuous batching on a pool's context (docs/serve.md). Each conversation runs on a thread of its
 own and decodes as if it were alone (Context.decode); the decodes that are waiting at the same
 moment go to llama.cpp as one batch, and every conversation's next token rides in the same step
 as another's prefill chunk.

@@ -317,7 +317,7 @@ class Context:
 
 
 class Pool:
-    """One context whose cells `lanes` caches share (issue 31: a server's conversations), with one
+    """One context whose cells `lanes` caches share (a server's conversations, docs/serve.md), with one
     eval callback that each lane's Runner sees as its own capture (PoolCapture.view). A lane is
     taken by a Runner for a conversation's life and given back when it closes. n_batch: a lane's
     prefill chunk; a decode step holds one and a token of every other lane."""

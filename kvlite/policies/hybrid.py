@@ -1,4 +1,4 @@
-"""The chat hybrid (kvlite's own, issue 11): a turn that carries no question (a pasted document,
+"""The chat hybrid (kvlite's own; docs/policies.md): a turn that carries no question (a pasted document,
 "read this") is compressed by KVzip's query-agnostic reconstruction score, since the questions it
 must serve have not been asked; a turn that asks something by EchoKV's lookahead, whose queries
 come from the answer being written. Which kind a turn is comes from Observation.question (set by

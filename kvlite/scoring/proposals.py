@@ -40,7 +40,7 @@ def proposals(info: ModelInfo, anchors: np.ndarray, positions: Sequence[int], la
     pos = np.asarray(positions, dtype=np.int32)
     t = len(pos)
     out = np.empty((n_layer, n_head, n_anchor * t, d), np.float32)
-    for i, il in enumerate(layers):  # a layer at a time: the temporaries stay one layer's (EchoKV's 16 x 24: 27 MB)
+    for i, il in enumerate(layers):  # a layer at a time: the temporaries stay one layer's
         x = np.repeat(anchors[i].reshape(n_anchor, 1, n_head, d), t, axis=1).reshape(-1, n_head, d)
         out[i] = rope(info, x, np.tile(pos, n_anchor), il).transpose(1, 0, 2)
     return out
