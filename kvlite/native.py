@@ -407,7 +407,7 @@ def max_smooth(scores: np.ndarray, kernel: int) -> np.ndarray:
     if kernel <= 1:
         return scores
     out = scores.copy()
-    for d in range(1, min(kernel // 2, scores.shape[-1] - 1) + 1):  # a shifted maximum a side, faster than a window view
+    for d in range(1, min(kernel // 2, scores.shape[-1] - 1) + 1):  # shifted maxima: faster than a window view
         np.maximum(out[..., d:], scores[..., :-d], out=out[..., d:])
         np.maximum(out[..., :-d], scores[..., d:], out=out[..., :-d])
     return out
