@@ -303,7 +303,8 @@ TASKS: dict[str, TaskKind] = {
 
 # The second prompt shape (docs/results.md, "Two prompt shapes"): a task's document then its
 # question, as a user pastes both into one chat turn (`kvlite generate --chat -f doc.txt`), without
-# the instructions the task's own shape opens with. "paste-single" is "single" in that shape: the same facts, codes and prose.
+# the instructions the task's own shape opens with. "paste-single" is "single" in that shape: the
+# same facts, codes and prose.
 PASTE = "paste-"
 
 
