@@ -46,6 +46,13 @@ _DEVICE_TYPES = ("cpu", "gpu", "igpu", "accel", "meta")  # enum ggml_backend_dev
 COUNTER_CAUSAL_ARCHS = ("llama", "qwen2", "qwen3")
 
 
+def counter_causal_unsupported(info: ModelInfo) -> str | None:
+    """Why native/counter_causal.c cannot run this model's blocks (None: it can)."""
+    if info.arch not in COUNTER_CAUSAL_ARCHS:
+        return f"the native pass supports {', '.join(COUNTER_CAUSAL_ARCHS)}, not '{info.arch}'"
+    return None
+
+
 class RopeParams(ctypes.Structure):
     """struct kvl_rope (native/kvl.h): ggml_rope_ext's arguments for one model."""
 
@@ -80,8 +87,8 @@ class HParams(ctypes.Structure):
 
     @classmethod
     def of(cls, info: ModelInfo) -> HParams:
-        if info.arch not in COUNTER_CAUSAL_ARCHS:
-            raise KvliteError(f"counter-causal scoring supports {', '.join(COUNTER_CAUSAL_ARCHS)}, not '{info.arch}'")
+        if why := counter_causal_unsupported(info):
+            raise KvliteError(f"counter-causal scoring: {why}")
         rope = RopeParams.of(info)
         params = cls(
             qk_norm=int(info.qk_norm), n_layer=info.n_layer, n_embd=info.n_embd, n_head=info.n_head,

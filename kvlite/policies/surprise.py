@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import KvliteError
 from ..models import ModelInfo
-from ..native import COUNTER_CAUSAL_ARCHS
+from ..native import counter_causal_unsupported
 from ..scoring.surprise import SCORES, SurpriseModel, cache_contents, surprise
 from .base import Policy, param
 from .observe import Observation
@@ -36,14 +36,13 @@ class CounterCausal(Policy):
 
     @classmethod
     def scores_on(cls, info: ModelInfo) -> str:
-        if info.arch not in COUNTER_CAUSAL_ARCHS:
-            return f"not available on {info.arch}: the native pass runs {', '.join(COUNTER_CAUSAL_ARCHS)} blocks"
+        if why := counter_causal_unsupported(info):
+            return f"not available on {info.arch}: {why}"
         return super().scores_on(info)
 
     def check_model(self, info: ModelInfo) -> None:
-        if info.arch not in COUNTER_CAUSAL_ARCHS:
-            raise KvliteError(f"{self.name} runs the model's blocks in kvlite's native pass, which supports "
-                              f"{', '.join(COUNTER_CAUSAL_ARCHS)}, not '{info.arch}': use another policy")  # fmt: skip
+        if why := counter_causal_unsupported(info):
+            raise KvliteError(f"{self.name} runs the model's blocks in kvlite's native pass: {why}; use another policy")
 
     def scores(self, obs: Observation) -> np.ndarray:
         model = _surprise_model(obs.info)
