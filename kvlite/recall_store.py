@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 import weakref
 
 from .engine import kvstate
@@ -19,6 +20,7 @@ _cap: int | None = None  # bytes; None: RECALL_STORE_SHARE of the available memo
 _in_ram: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a store held in memory
 _on_disk: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a store in a mapped file
 _names = itertools.count()
+_lock = threading.Lock()  # a server's conversations keep and count stores from their own threads
 
 
 def set_cap(mib: float | None) -> None:
@@ -62,23 +64,34 @@ def keep(state: kvstate.SeqState | None, replacing: kvstate.SeqState | None = No
     others = ram_bytes() - (kvstate.nbytes(replacing) if replacing is not None and in_ram(replacing) else 0)
     if others + size <= cap():
         kept = kvstate.held(state)
-        _in_ram[id(kept)] = kept
-        return kept
-    folder = cache_dir() / "recall"
-    folder.mkdir(parents=True, exist_ok=True)
-    kept = kvstate.mapped(state, folder / f"store-{os.getpid()}-{next(_names)}.kv")
-    _on_disk[id(kept)] = kept
+        where = _in_ram
+    else:
+        folder = cache_dir() / "recall"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KvliteError(f"cannot keep evicted cells in {folder}: {e.strerror or e} (set KVLITE_CACHE to a "
+                              "folder kvlite may write, or give --recall-store more memory)") from None  # fmt: skip
+        kept = kvstate.mapped(state, folder / f"store-{os.getpid()}-{next(_names)}.kv")
+        where = _on_disk
+    with _lock:
+        where[id(kept)] = kept
     return kept
 
 
 def in_ram(state: kvstate.SeqState | None) -> bool:
-    return state is not None and _in_ram.get(id(state)) is state
+    with _lock:
+        return state is not None and _in_ram.get(id(state)) is state
 
 
 def ram_bytes() -> int:
     """Host memory the stores of this process hold (a store shared by a parked snapshot once)."""
-    return sum(kvstate.nbytes(s) for s in list(_in_ram.values()))
+    with _lock:
+        stores = list(_in_ram.values())
+    return sum(kvstate.nbytes(s) for s in stores)
 
 
 def disk_bytes() -> int:
-    return sum(kvstate.nbytes(s) for s in list(_on_disk.values()))
+    with _lock:
+        stores = list(_on_disk.values())
+    return sum(kvstate.nbytes(s) for s in stores)

@@ -109,6 +109,23 @@ def test_a_store_beyond_the_cap_is_a_mapped_file_and_comes_back_bit_for_bit(wide
     assert list(on_disk.iterdir()) == []
 
 
+def test_a_store_that_cannot_go_to_disk_is_one_line(wide, tmp_path, monkeypatch):
+    """Past the cap with no folder to write in: a KvliteError naming the folder and what to do, and
+    the cache as it was: the cells are kept before they are removed, so nothing was evicted."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KVLITE_CACHE", str(tmp_path / "a-file"))
+    recall_store.set_cap(0)
+    try:
+        cache = KVCache(_context(wide, "f16"), keep_evicted=True)
+        cache.append(_tokens(N))
+        with pytest.raises(KvliteError, match="cannot keep evicted cells in .*a-file/recall.*KVLITE_CACHE"):
+            cache.evict(KEEP)
+        assert list(cache.positions()) == list(range(N)) and cache.store is None
+        check(cache)
+    finally:
+        recall_store.set_cap(None)
+
+
 def test_the_cap_is_the_processs_not_a_conversations(wide, tmp_path, monkeypatch):
     """Two conversations' stores: the first fits the cap and stays in memory, the second would pass
     it and goes to disk; a store that replaces its own earlier self is not counted twice."""

@@ -375,17 +375,23 @@ def mapped(state: SeqState, path: str | os.PathLike) -> SeqState:
     which it can page out, not in the process's heap. The file is removed once mapped where the
     OS allows (POSIX): the mapping holds it until the last view of it goes."""
     layout, offset = [], 0
-    with open(path, "wb") as f:
-        for streams in state.sections:
-            for st in streams:
-                for rows in (*st.k, *st.v) if st else ():
-                    a = np.ascontiguousarray(rows)
-                    layout.append((offset, a.dtype, a.shape))
-                    a.tofile(f)
-                    pad = -a.nbytes % 64  # each array at an aligned offset
-                    f.write(b"\0" * pad)
-                    offset += a.nbytes + pad
-    buf = np.memmap(path, np.uint8, "r") if offset else np.zeros(0, np.uint8)
+    try:
+        with open(path, "wb") as f:
+            for streams in state.sections:
+                for st in streams:
+                    for rows in (*st.k, *st.v) if st else ():
+                        a = np.ascontiguousarray(rows)
+                        layout.append((offset, a.dtype, a.shape))
+                        a.tofile(f)
+                        pad = -a.nbytes % 64  # each array at an aligned offset
+                        f.write(b"\0" * pad)
+                        offset += a.nbytes + pad
+        buf = np.memmap(path, np.uint8, "r") if offset else np.zeros(0, np.uint8)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise KvliteError(f"cannot write evicted cells to {path}: {e.strerror or e} (free disk space there, or "
+                          "give --recall-store more memory)") from None  # fmt: skip
     with contextlib.suppress(OSError):
         os.unlink(path)
     views = iter([buf[o : o + dt.itemsize * int(np.prod(shape))].view(dt).reshape(shape) for o, dt, shape in layout])

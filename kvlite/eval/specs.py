@@ -31,7 +31,7 @@ RUN_PARAMS = {
         Param("recall_lookahead", "recall with lookahead queries", minimum=0, maximum=1),
     ),
 }
-RUN_FIELDS = ("chunk", "evict", "recall", "recall_lookahead")  # what RUN_PARAMS set
+RUN_FIELDS = tuple(dict.fromkeys(field for field, _ in RUN_PARAMS.values()))  # chunk, evict, recall, ...
 QUESTION = "question"
 
 
