@@ -50,14 +50,14 @@ def check_evict(evict: str | None) -> None:
         raise KvliteError(f"--evict must be one of {', '.join(MODES)}, got '{evict}'")
 
 
-def evict_mode(evict: str | None, policy: Policy) -> str:
-    """The chat eviction mode a conversation runs: the one asked for, or else DEFAULT where it
-    applies (a prefill-end policy with a budget) and eager where it does not (the full cache never
-    evicts; chunked mode evicts as it reads)."""
+def evict_mode(evict: str | None, policy: Policy, default: str = DEFAULT) -> str:
+    """The chat eviction mode a conversation runs: the one asked for, or else `default` (chat's
+    DEFAULT; a grid's GRID_DEFAULT) where lazy applies (a prefill-end policy with a budget) and
+    eager where it does not (the full cache never evicts; chunked mode evicts as it reads)."""
     lazy_applies = policy.budget is not None and not policy.continuous
     check_evict(evict)
     if evict is None:
-        return DEFAULT if lazy_applies else "eager"
+        return default if lazy_applies else "eager"
     if evict == "lazy" and not lazy_applies:
         raise KvliteError("--evict lazy needs a prefill-end policy with a --budget (chunked mode evicts as it reads)")
     return evict

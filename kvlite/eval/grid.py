@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from ..engine import Model
 from ..engine.cachetypes import CACHE_TYPES
 from ..errors import KvliteError
-from ..evict import GRID_DEFAULT, check_recall
+from ..evict import GRID_DEFAULT, check_recall, evict_mode
 from ..limits import INT32_MAX, Budget, cells_for, check_int, check_threads, parse_budget
 from ..models import resolve_model
 from . import longbench, multiturn, ruler, tasks
@@ -118,7 +118,7 @@ class GridConfig:
             errors = []
             for b in self.budgets:
                 try:
-                    policy_for(spec, cells_for(b, self.nominal_length), 1)
+                    evict_mode(run_params(spec).get("evict"), policy_for(spec, cells_for(b, self.nominal_length), 1))
                     break
                 except KvliteError as e:
                     errors.append(e)
@@ -451,7 +451,7 @@ class Grid:
             try:
                 policy = policy_for(spec, budget)
                 run = run_params(spec)
-                evict = run.get("evict", GRID_DEFAULT) if budget is not None else "eager"
+                evict = evict_mode(run.get("evict"), policy, GRID_DEFAULT)
                 record = multiturn.run_conversation(model, sample, policy, evict, self.cfg.threads, document,
                                                     (memo, spec), kv_type, run.get("recall", 0),
                                                     run.get("recall_lookahead"))  # fmt: skip
