@@ -1353,8 +1353,19 @@ On Gemma both lookahead policies score above the full cache at every budget, wit
 (EchoKV - full +0.06, +0.08 and +0.05). A 270M base model may be distracted by RULER's haystack, so
 fewer cells can help it; this was not measured apart. Small models score 23 to 30 of 100 with the full
 cache, where kvpress's 8B models score 95, so whole tasks (vt, qa_2, niah_multikey) are 0 for every
-policy and say nothing about eviction. Qwen2.5-0.5B at 4K (`ruler-qwen-4096`, about 3.3 hours here) is
-under way across sessions; at 8K it would take about 6.5 hours, and was not run.
+policy and say nothing about eviction.
+
+Qwen2.5-0.5B at 4K (26 samples, 2026-12-07, its stage run across sessions) is the strongest of the
+three, the full cache 61.5, and there the lookahead policies hold it: LAQ 60.5 and 61.2 at 25% and
+12.5% kept, EchoKV 59.0 and 54.6 (EchoKV - full -0.03 and -0.07, EchoKV - LAQ -0.02 and -0.07, none
+marked). EchoKV - SnapKV is +0.13 (not marked) and +0.21 **, EchoKV - KVzip +0.39 ** and +0.41 **.
+At 2% (about 80 cells) EchoKV falls to 9.4 where LAQ keeps 31.8 (EchoKV - LAQ -0.22 **), as on
+SmolLM2: the small-budget weakness is two models' of three. Against kvpress's ordering Qwen agrees
+least, 7 to 9 of 15 pairs: KVzip, first there (95.0 and 92.2 on Qwen3-8B), is next to last here
+(20.3 and 13.8), below SnapKV, TOVA, K-norm and H2O. Its score here is kvlite's token-level KVzip (one
+keep set for every layer and head, the reconstruction scored as the max over them), where kvpress
+keeps each head's own cells; that difference is a likely reason, not a measured one. Qwen at 8K
+would take about 6.5 hours here and was not run.
 """
 
 PROTOCOL = """## Protocol
