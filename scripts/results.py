@@ -473,7 +473,8 @@ def ruler_section(records: list[dict]) -> str:
         out.append("| policy | " + " | ".join(f"{b} kept" for b in budgets) + " |")
         out.append("|---|" + "---|" * len(budgets))
         for p in policies:
-            row = [pct([r["score"] for r in cells.get((p, b), [])]) for b in budgets]
+            scores = [[r["score"] for r in cells.get((p, b), [])] for b in budgets]
+            row = [pct(s) + (f" (n {len(s)})" if len(s) < len(full) else "") for s in scores]  # a stage under way
             out.append(f"| {label(p)} | " + " | ".join(row) + " |")
         out.append("\nOrdering by mean score (best first):\n")
         for b in budgets:
