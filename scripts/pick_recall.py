@@ -41,34 +41,31 @@ POLICIES = ("laq", "echokv")
 RECALLS = (32, 64, 128, 256)  # as scripts/results.py's RECALL_TUNE
 
 
-def per_conversation(records: list[dict]) -> dict[int, dict]:
-    """recall N -> {conversation: mean score over the policies}, lazy cells that every N ran."""
+def per_conversation(records: list[dict], arm, arms: tuple) -> dict:
+    """arm -> {conversation: mean score over the policies}, over the cells every arm ran. arm(r): the
+    record's arm (its recall N, or whether it used the lookahead's queries), None for no arm."""
     by: dict = {}
     for r in records:
-        if "score" in r and r.get("evict") == "lazy" and spec_name(r["policy"]) in POLICIES:
-            by[(r.get("recall", 0), report.sample_key(r), spec_name(r["policy"]))] = r["score"]
-    cells = set.intersection(*({k[1:] for k in by if k[0] == n} for n in (0, *RECALLS)))
+        if "score" in r and spec_name(r["policy"]) in POLICIES and (a := arm(r)) is not None:
+            by[(a, report.sample_key(r), spec_name(r["policy"]))] = r["score"]
+    cells = set.intersection(*({k[1:] for k in by if k[0] == a} for a in arms))
     out: dict = {}
-    for n in (0, *RECALLS):
+    for a in arms:
         scores = defaultdict(list)
         for sample, policy in cells:
-            scores[sample].append(by[(n, sample, policy)])
-        out[n] = {s: float(np.mean(v)) for s, v in scores.items()}
+            scores[sample].append(by[(a, sample, policy)])
+        out[a] = {s: float(np.mean(v)) for s, v in scores.items()}
     return out
 
 
+def by_recall(records: list[dict]) -> dict[int, dict]:
+    """recall N -> {conversation: mean score}, lazy cells that every N ran."""
+    return per_conversation(records, lambda r: r.get("recall", 0) if r.get("evict") == "lazy" else None, (0, *RECALLS))
+
+
 def by_queries(records: list[dict]) -> dict[int, dict]:
-    """recall_lookahead (0, 1) -> {conversation: mean score over the policies}, eager cells both ran."""
-    by: dict = {}
-    for r in records:
-        if "score" in r and r.get("recall") and spec_name(r["policy"]) in POLICIES:
-            by[(int(r["recall_lookahead"]), report.sample_key(r), spec_name(r["policy"]))] = r["score"]
-    cells = {k[1:] for k in by if k[0] == 0} & {k[1:] for k in by if k[0] == 1}
-    out: dict = {0: defaultdict(list), 1: defaultdict(list)}
-    for a in (0, 1):
-        for sample, policy in cells:
-            out[a][sample].append(by[(a, sample, policy)])
-    return {a: {s: float(np.mean(v)) for s, v in out[a].items()} for a in (0, 1)}
+    """recall_lookahead (0, 1) -> {conversation: mean score}, eager cells with recall both ran."""
+    return per_conversation(records, lambda r: int(r["recall_lookahead"]) if r.get("recall") else None, (0, 1))
 
 
 def pick_queries(runs: pathlib.Path) -> None:
@@ -95,7 +92,7 @@ def main() -> None:
     if args.queries:
         pick_queries(runs)
         return
-    means = per_conversation(tune.tune_only(read_records(runs)))
+    means = by_recall(tune.tune_only(read_records(runs)))
     gains = {n: difference(means, n, 0) for n in RECALLS}
     best = max(RECALLS, key=lambda n: gains[n].mean)
     behind = {n: difference(means, best, n) for n in RECALLS if n != best}

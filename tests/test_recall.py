@@ -343,7 +343,7 @@ def test_a_bare_recall_is_the_tune_splits_pick():
     import pick_recall
 
     runs = root / "results-runs" / "recall-tune-smol-1024"
-    means = pick_recall.per_conversation(tune.tune_only(read_records(runs)))
+    means = pick_recall.by_recall(tune.tune_only(read_records(runs)))
     gains = {n: pick_recall.difference(means, n, 0) for n in pick_recall.RECALLS}
     assert json.loads((runs / "pick.json").read_text())["pick"] == RECALL_PICK
     best = max(gains, key=lambda n: gains[n].mean)

@@ -150,13 +150,14 @@ class GridConfig:
                 raise KvliteError(f"--tasks {t}: a conversation's budget is in cells (a share needs one prompt)")
         single = self.data or self.ruler or [t for t in self.tasks if not tasks.task_kind(t)[0].multi_turn]
         for spec in self.policies:
-            if "recall_lookahead" in run_params(spec) and not run_params(spec).get("recall"):
+            run = run_params(spec)
+            if "recall_lookahead" in run and not run.get("recall"):
                 raise KvliteError(f"--policies {spec}: recall_lookahead chooses recall's queries: give recall=N too")
-            if run_params(spec).get("recall"):
+            if run.get("recall"):
                 if single:
                     raise KvliteError(f"--policies {spec}: recall brings cells back to a conversation's next turn: "
                                       "multi-turn tasks only (--tasks chat)")  # fmt: skip
-                check_recall(run_params(spec)["recall"], policy_for(spec, None, 1), f"--policies {spec}: recall")
+                check_recall(run["recall"], policy_for(spec, None, 1), f"--policies {spec}: recall")
         for t in self.ruler:
             ruler.family(t)
         if self.ruler:
