@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .cache import JointKV, KVCache, Snapshot, copies_workspaces
+from .cache import KVCache, Snapshot
+from .cached_kv import JointKV
 from .engine import Capture, Context, Model, Pool, Sampler, SamplingParams
 from .errors import KvliteError
 from .evict import RECALL_LOOKAHEAD, check_recall
@@ -18,6 +19,7 @@ from .policies.observe import Observation, pooled
 from .scoring.aggregate import aggregate
 from .selection import protected_positions, ranked, select_keep
 from .settings import RunSettings
+from .workspace import copies_workspaces
 
 SPLIT_OBSERVED = 64  # a chunk's observed tail gets its own batch when this many tokens precede it
 
@@ -115,7 +117,7 @@ class Runner:
             self.cache = KVCache(self.ctx, hidden_layer=hidden_layer, lane=lane, keep_evicted=recall > 0)
             # a pool's lanes keep the shared view: their decodes meet in one batch on one context
             if pool is None and self.policy.lookahead_cells() and copies_workspaces(self.ctx):
-                self.cache.workspace_context = self._workspace_context
+                self.cache.workspace.make_context = self._workspace_context
         except BaseException:
             if pool is not None:
                 pool.give_back(lane)
@@ -215,8 +217,8 @@ class Runner:
             scores = np.asarray(self.policy.scores(obs))
         finally:
             obs.close()
-            if self.cache.workspace_active:
-                self.cache.workspace_drop()  # lookahead cells never outlive the scoring
+            if self.cache.workspace.active:
+                self.cache.workspace.drop()  # lookahead cells never outlive the scoring
         if scores.shape != obs.positions.shape:
             raise KvliteError(f"--policy {self.policy.name} gave {scores.shape} scores for {len(obs.positions)} cells")
         keep = select_keep(

@@ -41,9 +41,9 @@ TAIL = 64  # the prompt's last tokens each policy reads itself (EchoKV's 16 anch
 # time less the max-pool it calls (its Python checks are microseconds; the C call runs in a lambda
 # handed to Native._run)
 PARTS = {
-    "lookahead decode (llama.cpp, workspace)": ("cache.py", "workspace_decode"),
+    "lookahead decode (llama.cpp, workspace)": ("workspace.py", "decode"),
     "workspace's own context made": ("runner.py", "_workspace_context"),
-    "workspace cells copied to it": ("cache.py", "_copy_to_side"),
+    "workspace cells copied to it": ("workspace.py", "_copy_to_side"),
     "score kernel (attn_pool, C)": ("native.py", "attn_pool"),
     "max-pool smoothing": ("native.py", "max_smooth"),
     "key reads (state file)": ("cache.py", "cached_kv"),
@@ -63,7 +63,7 @@ def profile(model: Model, tokens: list[int], prefix: Snapshot, n_ctx: int, name:
     policy = policy_for(name, budget)
     runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=DEFAULT_CHUNK, n_threads=threads))
     if shared:
-        runner.cache.workspace_context = None
+        runner.cache.workspace.make_context = None
     try:
         runner.restore(prefix)
         t0 = time.perf_counter()

@@ -55,7 +55,7 @@ def check(conv, bound: int) -> None:
     cache = runner.cache
     live = cache.positions()
     assert np.array_equal(live, cache.llama_positions(0)), "live positions differ from llama.cpp's"
-    assert len(cache.llama_positions(1)) == 0 and not cache.workspace_active, "workspace cells left behind"
+    assert len(cache.llama_positions(1)) == 0 and not cache.workspace.active, "workspace cells left behind"
     assert len(live) <= bound, f"{len(live)} cells resident, bound {bound}"
     assert cache.max_cells <= runner.ctx.n_ctx
 

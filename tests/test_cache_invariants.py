@@ -89,8 +89,8 @@ def test_state_file_reads_what_the_blob_holds(tiny_model, tmp_path, monkeypatch)
 def copying(cache: KVCache, monkeypatch) -> KVCache:
     """Every workspace of the cache copied to a small context of its own (a Runner's rule copies
     only views of at most a quarter of the resident cells)."""
-    monkeypatch.setattr("kvlite.cache.COPY_AT", 1)
-    cache.workspace_context = lambda n: Context(cache.ctx.model, n + 512, n_batch=32)  # room for any ws_add
+    monkeypatch.setattr("kvlite.workspace.COPY_AT", 1)
+    cache.workspace.make_context = lambda n: Context(cache.ctx.model, n + 512, n_batch=32)  # room for any ws_add
     return cache
 
 
@@ -102,14 +102,14 @@ def test_workspace_round_trip_leaves_live_sequence_byte_identical(tiny_arch_mode
     cache.append(list(range(5, 105)))
     cache.evict([p for p in range(100) if p % 2 == 0 or p == 99])
     before = ctx.state_get(LIVE)
-    cache.workspace_create([p for p in cache.positions() if p < 10 or p > 80])
-    cache.workspace_add([20, 22, 24])
-    cache.workspace_remove([0, 2])
-    cache.workspace_decode([7, 8, 9, 10], logits="all")
+    cache.workspace.create([p for p in cache.positions() if p < 10 or p > 80])
+    cache.workspace.add([20, 22, 24])
+    cache.workspace.remove([0, 2])
+    cache.workspace.decode([7, 8, 9, 10], logits="all")
     check(cache)
     assert ctx.state_get(LIVE) == before
-    assert cache.workspace_copied == copied and (len(ctx.state_get(WORKSPACE)) > 24) != copied
-    cache.workspace_drop()
+    assert cache.workspace.copied == copied and (len(ctx.state_get(WORKSPACE)) > 24) != copied
+    cache.workspace.drop()
     check(cache)
     assert ctx.state_get(LIVE) == before
 
@@ -123,17 +123,17 @@ def test_a_copied_view_swaps_half_its_cells_in_a_context_with_room_for_one_view(
     rng = np.random.default_rng(3)
     cache.append([int(t) for t in rng.integers(3, 300, size=900)])
     made = []
-    cache.workspace_context = lambda n: made.append(Context(tiny_arch_model, n + 4, n_batch=8)) or made[-1]
+    cache.workspace.make_context = lambda n: made.append(Context(tiny_arch_model, n + 4, n_batch=8)) or made[-1]
     view = sorted(rng.choice(899, 199, replace=False).tolist()) + [899]  # a quarter of the cells at most
-    cache.workspace_create(view)
-    cache.workspace_decode([5, 6])
-    cache.workspace_remove(view[:-1:2])
-    cache.workspace_add(sorted(set(range(899)) - set(view))[:100])
-    cache.workspace_decode([7, 8])
-    assert cache.workspace_copied  # in 256 cells (llama.cpp's rounding; gemma3's 512), 202 were in use
+    cache.workspace.create(view)
+    cache.workspace.decode([5, 6])
+    cache.workspace.remove(view[:-1:2])
+    cache.workspace.add(sorted(set(range(899)) - set(view))[:100])
+    cache.workspace.decode([7, 8])
+    assert cache.workspace.copied  # in 256 cells (llama.cpp's rounding; gemma3's 512), 202 were in use
     check(cache)
-    cache.workspace_drop()
-    assert made[0].ptr is None and not cache.workspace_copied
+    cache.workspace.drop()
+    assert made[0].ptr is None and not cache.workspace.copied
     check(cache)
 
 
@@ -211,22 +211,22 @@ def apply_op(cache: KVCache, op: str, arg, rng: np.random.Generator) -> None:
         return [int(p) for p in positions if rng.random() < share]
 
     live = cache.positions()
-    if op == "append" and not cache.workspace_active:
+    if op == "append" and not cache.workspace.active:
         cache.append([int(t) for t in rng.integers(3, 300, size=arg)])
     elif op == "evict":
         cache.evict(sorted(set(sample(live, arg)) | {int(live[-1])}))
-    elif op == "compact" and not cache.workspace_active:
+    elif op == "compact" and not cache.workspace.active:
         cache.compact()
-    elif op == "ws_create" and not cache.workspace_active:
-        cache.workspace_create(sample(live, arg) + [int(live[-1])])
-    elif op == "ws_add" and cache.workspace_active:
-        cache.workspace_add(sample(live, arg))
-    elif op == "ws_remove" and cache.workspace_active:
-        cache.workspace_remove(sample(live[:-1], arg))
-    elif op == "ws_decode" and cache.workspace_active:
-        cache.workspace_decode([int(t) for t in rng.integers(3, 300, size=arg)])
-    elif op == "ws_drop" and cache.workspace_active:
-        cache.workspace_drop()
+    elif op == "ws_create" and not cache.workspace.active:
+        cache.workspace.create(sample(live, arg) + [int(live[-1])])
+    elif op == "ws_add" and cache.workspace.active:
+        cache.workspace.add(sample(live, arg))
+    elif op == "ws_remove" and cache.workspace.active:
+        cache.workspace.remove(sample(live[:-1], arg))
+    elif op == "ws_decode" and cache.workspace.active:
+        cache.workspace.decode([int(t) for t in rng.integers(3, 300, size=arg)])
+    elif op == "ws_drop" and cache.workspace.active:
+        cache.workspace.drop()
 
 
 def _run_ops(ctx: Context, ops, seed: int, also=None, copy=None) -> None:
@@ -245,8 +245,8 @@ def _run_ops(ctx: Context, ops, seed: int, also=None, copy=None) -> None:
     for op, arg in ops:
         apply_op(cache, op, arg, rng)
         checks()
-    if cache.workspace_active:
-        cache.workspace_drop()
+    if cache.workspace.active:
+        cache.workspace.drop()
         checks()
     # the live sequence still decodes after all that, at the next position
     cache.append([5])

@@ -67,7 +67,7 @@ def test_kvzip_matches_its_torch_twin(tiny_path, chunk):
     try:
         runner.feed(tokens, evict=False)
         got = policy.pair_scores(runner.observation())
-        assert not runner.cache.workspace_active and len(runner.cache.llama_positions(1)) == 0
+        assert not runner.cache.workspace.active and len(runner.cache.llama_positions(1)) == 0
         want = twin_pair_scores(path, tokens, policy.sinks, chunk, model, policy.pool_kernel)
         finite = np.isfinite(want)
         assert np.array_equal(finite, np.isfinite(got))

@@ -42,7 +42,7 @@ def test_policy_keeps_budget_and_protected_tokens(tiny_model, name):
     assert set(range(4)) <= set(kept.tolist()) and kept[-1] == 299
     if policy.window:
         assert set(range(300 - policy.window, 300)) <= set(kept.tolist())
-    assert not runner.cache.workspace_active
+    assert not runner.cache.workspace.active
     assert np.array_equal(runner.cache.llama_positions(0), kept)
     assert len(runner.cache.llama_positions(1)) == 0
     out, _ = runner.generate(4)  # the cache still decodes after the eviction
@@ -141,15 +141,15 @@ def test_a_copied_workspace_scores_as_the_shared_one(tiny_path, name, monkeypatc
         runner = Runner(model, policy, RunSettings(n_ctx=n_ctx, chunk=chunk, type_k="f32", type_v="f32"))
         made = []
         if copied:
-            make = runner.cache.workspace_context
-            runner.cache.workspace_context = lambda n: made.append(make(n)) or made[-1]  # noqa: B023
+            make = runner.cache.workspace.make_context
+            runner.cache.workspace.make_context = lambda n: made.append(make(n)) or made[-1]  # noqa: B023
         else:
-            runner.cache.workspace_context = None
+            runner.cache.workspace.make_context = None
         runner.feed(tokens)
         ev = runner.last_eviction
         out[copied] = (ev.scores, runner.cache.positions().tolist())
         assert len(made) == (1 if copied else 0) and all(c.ptr is None for c in made)  # made, then closed
-        assert not runner.cache.workspace_active and len(runner.cache.llama_positions(1)) == 0
+        assert not runner.cache.workspace.active and len(runner.cache.llama_positions(1)) == 0
         runner.close()
     (s_copy, kept_copy), (s_shared, kept_shared) = out[True], out[False]
     assert np.abs(s_copy - s_shared).max() <= 1e-5 * np.abs(s_shared).max()
@@ -246,7 +246,7 @@ def test_every_policy_on_smollm2(smol_model):
         runner.feed(tokens)
         kept = runner.cache.positions()
         assert len(kept) == 128 and set(range(4)) <= set(kept.tolist()) and kept[-1] == len(tokens) - 1, name
-        assert not runner.cache.workspace_active and len(runner.cache.llama_positions(1)) == 0, name
+        assert not runner.cache.workspace.active and len(runner.cache.llama_positions(1)) == 0, name
         assert np.array_equal(runner.cache.llama_positions(0), kept), name
         if name == "kvzip":  # reconstruction passes, a batch each
             assert runner.workspace_forward_passes > 0

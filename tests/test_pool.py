@@ -61,8 +61,8 @@ def test_interleaved_caches_match_llama_state_and_keep_each_others_bytes(tiny_ar
         apply_op(caches[lane], op, arg, rng)
         check(caches, written)
     for cache in caches:  # every live sequence still decodes after all that, at its next position
-        if cache.workspace_active:
-            cache.workspace_drop()
+        if cache.workspace.active:
+            cache.workspace.drop()
         cache.append([5])
     check(caches, written)
 

@@ -14,7 +14,8 @@ from test_cache_invariants import check
 
 from kvlite import recall_store
 from kvlite.api import Session
-from kvlite.cache import JointKV, KVCache
+from kvlite.cache import KVCache
+from kvlite.cached_kv import JointKV
 from kvlite.engine import LIVE, Context, Model, Pool, cachetypes, kvstate
 from kvlite.errors import KvliteError
 from kvlite.policies import LAQ, KNorm, SnapKV

@@ -275,11 +275,32 @@ class Context:
         """The sequence's state exported to a temporary file (TMPDIR) and opened to be read a layer at a
         time: what reading the cache costs in memory is one layer, not the whole export. The file is
         unlinked at once; its space returns when the StateFile closes."""
-        with _temp_path() as path, self.lock:
+        with _temp_path() as path:
+            self._save_file(path, seq_id)
+            return kvstate.StateFile(path)
+
+    def send(self, seq_id: int, to: Context, to_seq: int) -> None:
+        """Copy the sequence's cells into another context's sequence (emptied first), through a
+        temporary file that both sides stream a layer at a time: state_get and state_set would hold
+        the whole export in memory beside the new context's cache."""
+        with _temp_path() as path:
+            self._save_file(path, seq_id)
+            with to.lock:
+                to._load_file(path, to_seq)
+
+    def _save_file(self, path: str, seq_id: int) -> None:
+        with self.lock:
             if not L.llama_state_seq_save_file(self.ptr, path.encode(), seq_id, None, 0):
                 detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
                 raise KvliteError(f"llama.cpp could not export sequence {seq_id} to {path} (disk full?): {detail}")
-            return kvstate.StateFile(path)
+
+    def _load_file(self, path: str, seq_id: int) -> None:
+        """Load a state file into the sequence; the caller holds the lock."""
+        n_tokens = ctypes.c_size_t(0)
+        if not L.llama_state_seq_load_file(self.ptr, path.encode(), seq_id, (L.llama_token * 1)(), 1,
+                                           ctypes.byref(n_tokens)):  # fmt: skip
+            detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
+            raise KvliteError(f"llama.cpp could not load a KV state into sequence {seq_id}: {detail}")
 
     def reload(self, state: kvstate.SeqState, seq_id: int) -> None:
         """Load `state` into the sequence in place of what it holds, through a temporary file that both
@@ -297,12 +318,7 @@ class Context:
                     self.clear()  # the placement from cell 0 every single-cache run has had
                 else:
                     self.seq_rm(seq_id, -1, -1)
-                n_tokens = ctypes.c_size_t(0)
-                loaded = L.llama_state_seq_load_file(self.ptr, path.encode(), seq_id, (L.llama_token * 1)(), 1,
-                                                     ctypes.byref(n_tokens))  # fmt: skip
-            if not loaded:
-                detail = LOG_ERRORS[-1] if LOG_ERRORS else "no detail"
-                raise KvliteError(f"llama.cpp could not load a KV state into sequence {seq_id}: {detail}")
+                self._load_file(path, seq_id)
 
     def state_set(self, blob: bytes | bytearray, seq_id: int) -> None:
         if isinstance(blob, bytearray):  # read in place

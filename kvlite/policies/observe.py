@@ -24,7 +24,8 @@ from ..selection import ranked
 Queries = np.ndarray | Callable[[int], np.ndarray]  # [L, H, n, D], or layer i's [1, H, n, D] on demand
 
 if TYPE_CHECKING:
-    from ..cache import CachedKV, JointKV, KVCache
+    from ..cache import KVCache
+    from ..cached_kv import CachedKV, JointKV
     from ..engine import Model
 
 
@@ -102,6 +103,7 @@ class Observation:
 
     # -- lookahead on the workspace sequence ------------------------------------------------------
     def lookahead(self, prompt_view: np.ndarray) -> Lookahead:
+        release()  # the kernels' scratch is made again when next needed: never beside the workspace's context
         return Lookahead(self, prompt_view)
 
 
@@ -117,7 +119,7 @@ class Lookahead:
         self.capture: Capture = obs.capture
         self.ctx: Context = obs.ctx
         last = self.cache.n_pos - 1
-        self.cache.workspace_create(sorted(set(np.asarray(prompt_view).tolist()) | {last}))
+        self.cache.workspace.create(sorted(set(np.asarray(prompt_view).tolist()) | {last}))
         obs.workspace_views.append(self.cache.positions(1))
         if obs.next_logits is None:
             obs.next_logits = self.ctx.logits(-1)
@@ -129,8 +131,8 @@ class Lookahead:
         want = set(np.asarray(prompt_view).tolist()) | {self.cache.n_pos - 1}
         viewed = self.cache.positions(1)
         have = set(viewed[viewed < self.cache.n_pos].tolist())
-        self.cache.workspace_remove(sorted(have - want))  # first: a copied view's context frees them
-        self.cache.workspace_add(sorted(want - have))
+        self.cache.workspace.remove(sorted(have - want))  # first: a copied view's context frees them
+        self.cache.workspace.add(sorted(want - have))
         self.obs.workspace_views.append(np.array(sorted(want)))
 
     def step(self, n: int) -> np.ndarray:
@@ -140,10 +142,10 @@ class Lookahead:
         self.capture.enabled = True
         try:
             for _ in range(n):
-                self.cache.workspace_decode([self.next_token], logits="last")
+                self.cache.workspace.decode([self.next_token], logits="last")
                 self.obs.workspace_forward_passes += 1
                 self.tokens.append(self.next_token)
-                self.next_token = int(np.argmax(self.cache.workspace_ctx.logits(-1)))
+                self.next_token = int(np.argmax(self.cache.workspace.ctx.logits(-1)))
             q = np.stack([self.capture.take("q", il) for il in info.full_layers])  # [L, n, H, D]
         finally:
             self.capture.enabled = False
@@ -161,8 +163,8 @@ class Lookahead:
         self.capture.clear()
         self.capture.enabled = True
         try:
-            self.cache.workspace_decode(tokens, logits="none")
-            self.obs.workspace_forward_passes += -(-len(tokens) // self.cache.workspace_ctx.n_batch)
+            self.cache.workspace.decode(tokens, logits="none")
+            self.obs.workspace_forward_passes += -(-len(tokens) // self.cache.workspace.ctx.n_batch)
             q = [_heads_first(self.capture.take("q", il)) for il in info.full_layers]
             k = [_heads_first(self.capture.take("k", il)) for il in info.full_layers]
         finally:
@@ -170,8 +172,8 @@ class Lookahead:
         return q, k
 
     def close(self) -> None:
-        if self.cache.workspace_active:
-            self.cache.workspace_drop()
+        if self.cache.workspace.active:
+            self.cache.workspace.drop()
 
 
 def pooled(queries: Queries, keys: CachedKV | JointKV, scale: float, pool_kernel: int = 0) -> np.ndarray:
