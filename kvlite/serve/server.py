@@ -1,18 +1,18 @@
 """The work behind the endpoints: a chat turn on the slot its messages continue, a completion on a
 fresh cache, the slot files, and the report each answer carries. Every model call runs on one of
 the admission's worker threads; with a pool, several turns run at once, each holding its slot and
-the cells its turn may take (Server.room)."""
+the cells its turn may take (room.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import pathlib
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import slotfile
 from ..api import Conversation, Session
 from ..engine import Model, Pool
 from ..errors import KvliteError
@@ -22,7 +22,8 @@ from .admission import Admission
 from .config import ServeConfig
 from .metrics import Metrics
 from .requests import ApiError, Ask, parse_filename
-from .slots import Slot, Slots, read_slot_file, slot_key, write_slot_file
+from .room import Room
+from .slots import Slot, Slots, slot_key
 
 
 def first_stop(text: str, stops: list[str]) -> int:
@@ -114,10 +115,8 @@ class Server:
         # A pool's turns run at once, one a slot (their decodes batched); without one, one at a time
         self.admission = Admission(cfg.queue, self.metrics.reject, cfg.slots if cfg.kv_cells else 1)
         self.slot_table = Slots(cfg.slots)
-        self.pool = self._make_pool() if model is not None else None  # loaded: load()
-        # Taken to choose a slot, hold it, and give a turn its room in the pool; waited on for either.
-        self.room = threading.Condition()
-        self.reserved: dict[object, int] = {}  # slot id (or a completion's key) -> the cells it may hold at most
+        self.room = Room(self.slot_table, self.metrics)
+        self.pool = self.room.pool = self._make_pool() if model is not None else None  # loaded: load()
         self.stopping = False  # set by close(): every job's `cancelled` turns True
         self.started = time.time()
         self.default_sampling = cfg.settings.sampling
@@ -125,6 +124,11 @@ class Server:
     @property
     def slots(self) -> list[Slot]:
         return self.slot_table.all
+
+    @property
+    def reserved(self) -> dict[object, int]:
+        """The pool's cells each running turn may hold at most, by slot id (or a completion's key)."""
+        return self.room.reserved
 
     @property
     def active(self) -> int:
@@ -143,7 +147,7 @@ class Server:
         try:
             self.model = Model(resolve_model(self.cfg.model), use_extra_bufts=self.cfg.extra_bufts,
                                n_gpu_layers=self.cfg.n_gpu_layers)  # fmt: skip
-            self.pool = self._make_pool()
+            self.pool = self.room.pool = self._make_pool()
         except KvliteError as e:
             self.load_error = str(e)
         except Exception as e:  # noqa: BLE001 - whatever it was, the server must end, not wait at 503
@@ -173,70 +177,13 @@ class Server:
                               f"{self.pool.ctx.n_ctx}: raise --kv-cells or lower -c")  # fmt: skip
         return conv
 
-    def _need(self, slot: Slot, new: list[dict], n_predict: int) -> int:
-        """The most cells the slot's turn may hold: what the conversation holds, its new tokens, the
-        reply and a lookahead's, up to its cap."""
-        conv = slot.conversation
-        held = slot.parked[0].cells if slot.parked else conv.runner.cache.n_cells
-        turn = conv.pending_tokens(new) + n_predict + conv.runner.recall_cells
-        return min(conv.cap, held + turn) + conv.runner.policy.lookahead_cells()
-
-    def _admit(self, need: int, slot: Slot | None) -> None:
-        """Wait (holding self.room) until `need` of the pool's cells are the turn's: the turns running
-        keep what they reserved, and every other conversation is parked in host memory (slot: the
-        turn's own, which stays; None: all may go). Idle ones go even when there is room, as
-        llama-server's --cache-idle-slots does: attention spans the pool up to its highest cell in
-        use, so their cells would slow every decode of the running turns (docs/serve.md, "Idle
-        conversations leave the pool"). Then the slot's own conversation, if parked, is restored. A
-        turn that needs more than the pool minus the running turns waits for them to end; each fits
-        alone (Server._conversation)."""
-        waited = False
-        while True:
-            for other in self.slots:
-                if other is not slot and other.id not in self.reserved and other.resident:
-                    self._park(other)
-            if self.pool.ctx.n_ctx - sum(self.reserved.values()) >= need:
-                break
-            if not waited:
-                waited = True
-                self.metrics.wait()
-            self.room.wait()
-        if slot is not None and slot.parked:
-            slot.unpark()
-            self.metrics.restore()
-
-    def _park(self, slot: Slot) -> None:
-        slot.park()
-        self.metrics.park(sum(s.parked_bytes for s in self.slots))
-
-    @contextlib.contextmanager
-    def _hold(self, slot: Slot) -> Iterator[None]:
-        """The slot for this request alone (a slot file's), after the request that has it; in a pool,
-        with the cells it holds reserved (no other request parks it meanwhile)."""
-        with self.room:
-            while slot.busy:
-                self.room.wait()
-            slot.busy = True
-            if self.pool is not None:
-                self.reserved[slot.id] = slot.resident
-        try:
-            yield
-        finally:
-            with self.room:
-                self._let_go(slot)
-
-    def _let_go(self, slot: Slot) -> None:
-        slot.busy = False
-        self.reserved.pop(slot.id, None)
-        self.room.notify_all()
-
     @contextlib.contextmanager
     def _turn_slot(self, messages: list[dict], req: Ask) -> Iterator[tuple[Slot, list[dict]]]:
         """The slot whose conversation the messages continue (else a free or the least recently used
         one) and the messages it has not read, held for this request with room for its turn."""
-        with self.room:
+        with self.room.lock:
             while self.slot_table.busy_with(req.conversation_id):  # the same conversation's last request
-                self.room.wait()
+                self.room.lock.wait()
             try:  # a policy the chat modes cannot run is refused here
                 key = slot_key(req.policy, evict_mode(self.cfg.evict, req.policy), req.recall)
                 make = lambda: self._conversation(req.policy, self.cfg.evict, req.recall)  # noqa: E731
@@ -247,20 +194,20 @@ class Server:
             slot.busy = True
             try:
                 if self.pool is not None:
-                    need = self._need(slot, new, req.n_predict)
-                    self._admit(need, slot)
-                    self.reserved[slot.id] = need
+                    need = self.room.need(slot, slot.conversation.pending_tokens(new), req.n_predict)
+                    self.room.admit(need, slot)
+                    self.room.reserved[slot.id] = need
             except KvliteError as e:
-                self._let_go(slot)
+                self.room.let_go(slot)
                 raise ApiError(400, str(e)) from None
             except BaseException:
-                self._let_go(slot)
+                self.room.let_go(slot)
                 raise
         try:
             yield slot, new
         finally:
-            with self.room:
-                self._let_go(slot)
+            with self.room.lock:
+                self.room.let_go(slot)
 
     # -- chat -------------------------------------------------------------------------------------
     def chat(self, messages: list[dict], req: Ask, on_text: Callable[[str], None] | None,
@@ -348,18 +295,16 @@ class Server:
         if n_ctx > self.pool.ctx.n_ctx:
             raise ApiError(400, f"a completion's context of {n_ctx} cells (-c) does not fit in --kv-cells "
                            f"{self.pool.ctx.n_ctx}: raise --kv-cells or lower -c")  # fmt: skip
-        key, need = object(), min(n_ctx, n_tokens + req.n_predict + req.policy.lookahead_cells())
-        with self.room:
-            self._admit(need, None)
-            self.reserved[key] = need  # no slot: a key of its own
-        try:
+        with self.room.apart(min(n_ctx, n_tokens + req.n_predict + req.policy.lookahead_cells())):
             yield
-        finally:
-            with self.room:
-                del self.reserved[key]
-                self.room.notify_all()
 
     # -- slot files -------------------------------------------------------------------------------
+    def _slot(self, slot_id: int) -> Slot:
+        try:
+            return self.slot_table[slot_id]
+        except KvliteError as e:
+            raise ApiError(400, str(e)) from None
+
     def _slot_file(self, filename: Any) -> pathlib.Path:
         if self.cfg.slot_save_path is None:
             raise ApiError(400, "slot files are off: start the server with --slot-save-path DIR")
@@ -368,42 +313,48 @@ class Server:
     def save_slot(self, slot_id: int, filename: Any) -> dict:
         """The slot's conversation to a file: llama.cpp's state blob of its sequence and what kvlite
         knows beside it (which positions are resident, the messages, the policy)."""
-        slot, path = self.slot_table[slot_id], self._slot_file(filename)
-        with self._hold(slot):
+        slot, path = self._slot(slot_id), self._slot_file(filename)
+        with self.room.hold(slot):
             if slot.conversation is None or not slot.conversation.messages:
                 raise ApiError(400, f"slot {slot_id} holds no conversation")
             t0 = time.perf_counter()
-            n = write_slot_file(path, slot, self.model)
+            try:
+                n = slotfile.write_slot_file(path, slot.conversation, self.model, slot.parked, slot.conversation_id)
+            except KvliteError as e:
+                raise ApiError(500, str(e), kind="server_error") from None
             ms = (time.perf_counter() - t0) * 1000
         return {"id_slot": slot_id, "filename": path.name, "n_saved": n, "n_written": path.stat().st_size,
                 "timings": {"save_ms": ms}}  # fmt: skip
 
     def restore_slot(self, slot_id: int, filename: Any) -> dict:
-        slot, path = self.slot_table[slot_id], self._slot_file(filename)
+        slot, path = self._slot(slot_id), self._slot_file(filename)
         t0 = time.perf_counter()
-        saved = read_slot_file(path, self.cfg.slot_save_path, self.model)
+        try:
+            saved = slotfile.read_slot_file(path, self.cfg.slot_save_path, self.model.path)
+        except KvliteError as e:
+            raise ApiError(400, str(e)) from None
         meta = saved.meta
-        with self._hold(slot):
+        with self.room.hold(slot):
             conv = None
             try:
                 policy = saved.policy()
-                with self.room:
+                with self.room.lock:
                     conv = self._conversation(policy, meta["evict"], saved.recall)
                 saved.check_layout(conv, path.name)
                 snap = saved.snapshot(conv.runner.cache.hidden_layer)
                 if self.pool is not None:  # its cells, beside the conversation it replaces, others parked
-                    with self.room:
-                        self._admit(snap.cells, None)
-                        self.reserved[slot.id] += snap.cells
+                    with self.room.lock:
+                        self.room.admit(snap.cells, None)
+                        self.room.reserved[slot.id] += snap.cells
                 saved.restore(conv, snap)
             except BaseException as e:
                 if conv is not None:
-                    with self.room:
+                    with self.room.lock:
                         conv.runner.close()
                 if isinstance(e, (KvliteError, KeyError, TypeError, ValueError)):
                     raise ApiError(400, f"{path.name} cannot be restored: {e}") from None
                 raise
-            with self.room:
+            with self.room.lock:
                 slot.hold(conv, slot_key(policy, conv.evict, saved.recall), meta["conversation_id"])
             slot.last_used = time.time()
         ms = (time.perf_counter() - t0) * 1000
@@ -411,8 +362,8 @@ class Server:
                 "n_read": path.stat().st_size, "timings": {"restore_ms": ms}}  # fmt: skip
 
     def erase_slot(self, slot_id: int) -> dict:
-        slot = self.slot_table[slot_id]
-        with self._hold(slot):
+        slot = self._slot(slot_id)
+        with self.room.hold(slot):
             n = slot.conversation.runner.cache.n_pos if slot.conversation else 0
             if slot.parked:
                 n = len(slot.parked[0].tokens)

@@ -4,17 +4,14 @@ give up. Their files are kvlite.slotfile's."""
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import time
 from collections.abc import Callable
 
-from .. import slotfile
 from ..api import Conversation
 from ..cache import Snapshot
-from ..engine import Model, kvstate
+from ..engine import kvstate
 from ..errors import KvliteError
 from ..policies import Policy
-from .requests import ApiError
 
 
 @dataclasses.dataclass
@@ -31,7 +28,7 @@ class Slot:
     # In a pool (--kv-cells): the conversation's cache set aside in host memory to give its cells to
     # another, and how many positions it had evicted; restored when the slot is next used.
     parked: tuple[Snapshot, int] | None = None
-    busy: bool = False  # a request has it (Server.room)
+    busy: bool = False  # a request has it (room.py)
 
     @property
     def resident(self) -> int:
@@ -122,7 +119,7 @@ class Slots:
 
     def __getitem__(self, slot_id: int) -> Slot:
         if not 0 <= slot_id < len(self.all):
-            raise ApiError(400, f"no slot {slot_id}: the slots are 0..{len(self.all) - 1}")
+            raise KvliteError(f"no slot {slot_id}: the slots are 0..{len(self.all) - 1}")
         return self.all[slot_id]
 
     def busy_with(self, conversation_id: str | None) -> bool:
@@ -167,18 +164,3 @@ class Slots:
     def close(self) -> None:
         for s in self.all:
             s.close()
-
-
-# -- slot files (kvlite.slotfile's codec; its errors answered as HTTP) ---------------------------
-def write_slot_file(path: pathlib.Path, slot: Slot, model: Model) -> int:
-    try:
-        return slotfile.write_slot_file(path, slot.conversation, model, slot.parked, slot.conversation_id)
-    except KvliteError as e:
-        raise ApiError(500, str(e), kind="server_error") from None
-
-
-def read_slot_file(path: pathlib.Path, where: str, model: Model) -> slotfile.SlotFile:
-    try:
-        return slotfile.read_slot_file(path, where, model.path)
-    except KvliteError as e:
-        raise ApiError(400, str(e)) from None
