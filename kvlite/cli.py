@@ -394,6 +394,7 @@ def cmd_serve(args) -> int:
     policy, settings = _policy_from_args(args), _settings_from_args(args)  # checked before the port is taken
     policy.require_cells("kvlite serve")  # its default holds for conversations; a completion may ask a share
     check_recall(args.recall, policy)
+    params = {name: getattr(args, name) for name in ALL_PARAMS}  # ServeConfig makes its default policy of them
     recall_store.set_cap(args.recall_store)
     _note_ctx(settings.n_ctx)
     _add_rpc(args.rpc)
@@ -402,7 +403,7 @@ def cmd_serve(args) -> int:
         print(f"kvlite: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
               file=sys.stderr)  # fmt: skip
     cfg = ServeConfig(model=args.model, host=args.host, port=args.port, policy=policy.name,
-                      params={name: getattr(args, name) for name in ALL_PARAMS}, settings=settings, evict=args.evict,
+                      params=params, settings=settings, evict=args.evict,
                       n_predict=args.n_predict, max_tokens=args.max_tokens, slots=args.slots, queue=args.queue,
                       api_key=args.api_key, n_gpu_layers=args.n_gpu_layers, extra_bufts=args.extra_bufts,
                       model_alias=args.alias, slot_save_path=args.slot_save_path,

@@ -1,4 +1,16 @@
-"""A model, a context sized for a policy, and the loop that feeds tokens, evicts and generates."""
+"""A model, a context sized for a policy, and the loop that feeds tokens, evicts and generates.
+
+Where "when to evict" is decided, from the policy out:
+- the policy's mode (`Policy.continuous`): prefill-end evicts once the tokens are read; chunked
+  (`--mode chunked`, streaming's default) evicts as it reads, after every chunk (`Runner.feed`);
+- here: `feed(evict=True)` evicts to the budget once a prompt or a turn is read, when the cache
+  is over it (`over_budget`, `_evict_to_budget`), and compacts;
+- a chat's mode (evict.py): eager evicts every turn; lazy (`make_room`) feeds a turn with
+  `evict=False` until the turn and its reply would not fit under the cap, then evicts with that
+  turn's queries (first, with the last turn's, when the turn alone does not fit beside what is
+  resident). `evict_mode` picks the mode for `kvlite chat`, the server and the eval grid;
+- recall (`Runner.recall`) brings cells back after a turn is read, never evicts.
+"""
 
 from __future__ import annotations
 
@@ -16,69 +28,13 @@ from .evict import RECALL_LOOKAHEAD, check_recall
 from .native import release
 from .policies import FullKV, Policy
 from .policies.observe import Observation, pooled
+from .reports import Eviction, Mark, Timings
 from .scoring.aggregate import aggregate
 from .selection import protected_positions, ranked, select_keep
 from .settings import RunSettings
 from .workspace import copies_workspaces
 
 SPLIT_OBSERVED = 64  # a chunk's observed tail gets its own batch when this many tokens precede it
-
-
-@dataclasses.dataclass
-class Eviction:
-    """What one eviction did: the resident positions it scored, their scores, the positions kept,
-    the prompt views of its lookahead rounds, its workspace forward passes and the prompt's own
-    next-token logits when a lookahead overwrote llama.cpp's."""
-
-    positions: np.ndarray
-    scores: np.ndarray
-    kept: np.ndarray
-    workspace_views: list[np.ndarray]
-    workspace_forward_passes: int = 0
-    next_logits: np.ndarray | None = None
-    method: str = ""  # how the scores were made: the policy's name, or what a policy with several ways chose
-    lookahead_queries: list[np.ndarray] = dataclasses.field(default_factory=list)  # its lookahead's [L, H, n, D]
-
-
-@dataclasses.dataclass
-class Timings:
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    evict_s: float = 0.0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    recall_s: float = 0.0
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["prefill_tok_s"] = self.prefill_tokens / self.prefill_s if self.prefill_s else None
-        d["decode_tok_s"] = self.decode_tokens / self.decode_s if self.decode_s else None
-        return d
-
-    def __sub__(self, other: Timings) -> Timings:
-        return Timings(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-
-
-@dataclasses.dataclass(frozen=True)
-class Mark:
-    """A runner's counters at one moment (Runner.mark): a report since then subtracts them."""
-
-    timings: Timings
-    evicted: int
-    workspace_forward_passes: int
-
-
-@dataclasses.dataclass
-class Generation:
-    text: str
-    prompt_tokens: int
-    generated_tokens: int
-    stopped: str  # "eog", "length", "context full" or "interrupted"
-    cache: dict
-    timings: dict
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class Runner:

@@ -8,6 +8,7 @@ import pathlib
 from ..errors import KvliteError
 from ..evict import check_evict
 from ..limits import check_int
+from ..policies import Policy, check_budget, make_policy
 from ..settings import RunSettings
 
 
@@ -26,8 +27,8 @@ class ServeConfig:
     n_predict: int = 256  # max_tokens when a request gives none
     max_tokens: int = 4096  # the most a request may ask for
     slots: int = 4
-    # One pool of this many KV cells shared by every slot's conversation, their turns batched (issue
-    # 31); 0: a context a slot, one request at a time, the default (docs/serve.md, "The default")
+    # One pool of this many KV cells shared by every slot's conversation, their turns batched; 0: a
+    # context a slot, one request at a time, the default (docs/serve.md, "The default")
     kv_cells: int = 0
     queue: int = 16  # requests waiting beyond the one running; more get a 503
     api_key: str | None = None
@@ -37,6 +38,8 @@ class ServeConfig:
     model_alias: str | None = None
     slot_save_path: str | None = None  # where /slots/{id}?action=save|restore reads and writes
     recall: int = 0  # evicted cells a conversation's turn may bring back (kvlite.evict.check_recall)
+    # the policy of a request that names none and sets none of its parameters, made once
+    default_policy: Policy = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         if self.slots < 1:
@@ -59,3 +62,5 @@ class ServeConfig:
         check_int("-n", self.n_predict, 0, self.max_tokens)
         if self.api_key is not None and not self.api_key.strip():
             raise KvliteError("--api-key is empty: give a key, or leave the flag out to serve without one")
+        check_budget(self.policy, self.params.get("budget"))
+        self.default_policy = make_policy(self.policy, **self.params)

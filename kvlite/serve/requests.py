@@ -192,8 +192,11 @@ def parse_policy(body: dict, cfg: ServeConfig) -> Policy:
         if isinstance(v, bool) or (isinstance(v, float) and not math.isfinite(v)):
             raise ApiError(400, f"'{p}' cannot be {json.dumps(v)}", param=p)
     try:
-        check_budget(name, {**params, **given}.get("budget"), "kv_policy", "kv_budget")
-        policy = make_policy(name, **{**params, **given})
+        if name == cfg.policy and not given:
+            policy = cfg.default_policy
+        else:
+            check_budget(name, {**params, **given}.get("budget"), "kv_policy", "kv_budget")
+            policy = make_policy(name, **{**params, **given})
         check_budget_fits(policy, chat_ctx(cfg.settings.n_ctx, policy), "kv_budget")  # before a stream's 200
     except (KvliteError, TypeError, ValueError) as e:
         raise ApiError(400, str(e), param="kv_policy") from None
