@@ -24,7 +24,8 @@ from .limits import check_int
 from .models import resolve_model
 from .policies import FullKV, Policy
 from .progress import reading
-from .runner import Generation, Runner
+from .reports import Generation
+from .runner import Runner
 from .settings import RunSettings, plan_context
 
 ROLES = ("system", "user", "assistant")  # of a conversation's messages
