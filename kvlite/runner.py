@@ -25,7 +25,6 @@ from .cached_kv import JointKV
 from .engine import Capture, Context, Model, Pool, Sampler, SamplingParams
 from .errors import KvliteError
 from .evict import RECALL_LOOKAHEAD, check_recall
-from .native import release
 from .policies import FullKV, Policy
 from .policies.observe import Observation, pooled
 from .reports import Eviction, Mark, Timings
@@ -216,7 +215,6 @@ class Runner:
             scores = aggregate(pooled(queries, keys, self.model.info.kq_scale), "max")
         finally:
             keys.close()
-            release()
         stored = np.isin(keys.positions, self.cache.stored)
         candidates = keys.positions[stored]
         self.cache.recall(candidates[ranked(candidates, scores[stored])[:n]])

@@ -103,7 +103,6 @@ class Observation:
 
     # -- lookahead on the workspace sequence ------------------------------------------------------
     def lookahead(self, prompt_view: np.ndarray) -> Lookahead:
-        release()  # the kernels' scratch is made again when next needed: never beside the workspace's context
         return Lookahead(self, prompt_view)
 
 
@@ -180,7 +179,11 @@ def pooled(queries: Queries, keys: CachedKV | JointKV, scale: float, pool_kernel
     """EchoKV Eq. 3 of queries over every cell of `keys`: [L, Hkv, n], a layer at a time.
     queries: [L, H, n, D], or a function of i giving layer i's [1, H, n, D] (made when scored)."""
     layer = queries if callable(queries) else (lambda i: queries[i : i + 1])
-    return np.concatenate([pooled_layer(layer(i), keys, il, scale, pool_kernel) for i, il in enumerate(keys.layers)])
+    try:
+        return np.concatenate([pooled_layer(layer(i), keys, il, scale, pool_kernel)
+                               for i, il in enumerate(keys.layers)])  # fmt: skip
+    finally:
+        release()  # the kernels' scratch is never held beside what follows a pass (docs/cache.md)
 
 
 def pooled_layer(q: np.ndarray, keys: CachedKV | JointKV, il: int, scale: float, pool_kernel: int = 0) -> np.ndarray:

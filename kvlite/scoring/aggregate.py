@@ -19,10 +19,10 @@ METHODS = ("mean", "max", "votes")
 
 
 def normalize_rows(scores: np.ndarray) -> np.ndarray:
-    """scores [..., n_tokens] -> each row divided by its sum (rows summing to 0 stay 0)."""
-    s = np.asarray(scores, dtype=np.float64)
+    """scores [..., n_tokens] (non-negative) -> each row divided by its sum (rows summing to 0 stay 0)."""
+    s = np.array(scores, dtype=np.float64)  # the one copy, divided in place
     total = s.sum(-1, keepdims=True)
-    return np.divide(s, total, out=np.zeros_like(s), where=total > 0)
+    return np.divide(s, total, out=s, where=total > 0)
 
 
 def aggregate(scores: np.ndarray, method: str = "mean", budget: int | None = None) -> np.ndarray:
