@@ -26,14 +26,11 @@ import argparse
 import json
 import pathlib
 import sys
-from collections import defaultdict
-
-import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvlite.eval import report, stats, tune  # noqa: E402
+from kvlite.eval import report, tune  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
 from kvlite.eval.specs import spec_name  # noqa: E402
 
@@ -41,45 +38,30 @@ POLICIES = ("laq", "echokv")
 RECALLS = (32, 64, 128, 256)  # as scripts/results.py's RECALL_TUNE
 
 
-def per_conversation(records: list[dict], arm, arms: tuple) -> dict:
-    """arm -> {conversation: mean score over the policies}, over the cells every arm ran. arm(r): the
-    record's arm (its recall N, or whether it used the lookahead's queries), None for no arm."""
-    by: dict = {}
-    for r in records:
-        if "score" in r and spec_name(r["policy"]) in POLICIES and (a := arm(r)) is not None:
-            by[(a, report.sample_key(r), spec_name(r["policy"]))] = r["score"]
-    cells = set.intersection(*({k[1:] for k in by if k[0] == a} for a in arms))
-    out: dict = {}
-    for a in arms:
-        scores = defaultdict(list)
-        for sample, policy in cells:
-            scores[sample].append(by[(a, sample, policy)])
-        out[a] = {s: float(np.mean(v)) for s, v in scores.items()}
-    return out
-
-
 def by_recall(records: list[dict]) -> dict[int, dict]:
     """recall N -> {conversation: mean score}, lazy cells that every N ran."""
-    return per_conversation(records, lambda r: r.get("recall", 0) if r.get("evict") == "lazy" else None, (0, *RECALLS))
+    return report.per_conversation(records, lambda r: _arm(r, r.get("recall", 0) if r.get("evict") == "lazy" else None),
+                                   (0, *RECALLS))  # fmt: skip
 
 
 def by_queries(records: list[dict]) -> dict[int, dict]:
     """recall_lookahead (0, 1) -> {conversation: mean score}, eager cells with recall both ran."""
-    return per_conversation(records, lambda r: int(r["recall_lookahead"]) if r.get("recall") else None, (0, 1))
+    return report.per_conversation(records, lambda r: _arm(r, int(r["recall_lookahead"]) if r.get("recall") else None),
+                                   (0, 1))  # fmt: skip
+
+
+def _arm(r: dict, arm: int | None) -> int | None:
+    """The record's arm, for the policies the pick is made on."""
+    return arm if spec_name(r["policy"]) in POLICIES else None
 
 
 def pick_queries(runs: pathlib.Path) -> None:
     means = by_queries(tune.tune_only(read_records(runs)))
-    gain = difference(means, 1, 0)
+    gain = report.arm_difference(means, 1, 0)
     result = {"lookahead": bool(gain.lo > 0), "lookahead_minus_turn": gain.__dict__, "conversations": len(means[0])}
     (runs / "pick.json").write_text(json.dumps(result, indent=1))
     print(f"lookahead and turn - turn alone: {gain.fmt()}")
     print(f"pick: RECALL_LOOKAHEAD = {result['lookahead']}  (written to {runs / 'pick.json'})")
-
-
-def difference(means: dict[int, dict], a: int, b: int) -> stats.Interval:
-    keys = sorted(means[a])
-    return stats.paired_difference([means[a][k] for k in keys], [means[b][k] for k in keys])
 
 
 def main() -> None:
@@ -93,9 +75,9 @@ def main() -> None:
         pick_queries(runs)
         return
     means = by_recall(tune.tune_only(read_records(runs)))
-    gains = {n: difference(means, n, 0) for n in RECALLS}
+    gains = {n: report.arm_difference(means, n, 0) for n in RECALLS}
     best = max(RECALLS, key=lambda n: gains[n].mean)
-    behind = {n: difference(means, best, n) for n in RECALLS if n != best}
+    behind = {n: report.arm_difference(means, best, n) for n in RECALLS if n != best}
     pick = next((n for n in RECALLS if gains[n].lo > 0 and (n == best or behind[n].lo <= 0)), None)
     result = {
         "pick": pick,

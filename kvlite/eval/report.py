@@ -129,23 +129,38 @@ def compare(
     return out
 
 
-def mode_difference(records: list[dict], budgets: tuple = (128, 256)) -> stats.Interval:
-    """Chat: lazy - eager over every policy and budget both modes ran, averaged within each
-    conversation and then bootstrapped over conversations (the cells of one conversation are not
-    independent of each other). Pass one model's records; the split is the caller's choice."""
+def per_conversation(records: list[dict], arm, arms: tuple) -> dict:
+    """arm -> {sample: its mean score over the cells (policy, budget) that every arm ran}. arm(r):
+    the record's arm (a chat mode, a recall N, ...), None for a record of no arm. A conversation's
+    cells are averaged before any bootstrap: they are not independent of each other."""
     by: dict = {}
     for r in records:
-        if "score" in r and r.get("budget") in budgets and r.get("evict") in ("eager", "lazy"):
-            by[(sample_key(r), spec_name(r["policy"]), r["budget"], r["evict"])] = r["score"]
-    cells = sorted({k[:-1] for k in by if k[-1] == "lazy"} & {k[:-1] for k in by if k[-1] == "eager"})
-    if not cells:
+        if "score" in r and (a := arm(r)) is not None:
+            by[(a, sample_key(r), spec_name(r["policy"]), r.get("budget"))] = r["score"]
+    cells = sorted(set.intersection(*({k[1:] for k in by if k[0] == a} for a in arms)))
+    out: dict = {}
+    for a in arms:
+        scores = defaultdict(list)
+        for c in cells:
+            scores[c[0]].append(by[(a, *c)])
+        out[a] = {s: float(np.mean(v)) for s, v in scores.items()}
+    return out
+
+
+def arm_difference(means: dict, a, b) -> stats.Interval:
+    """a - b of per_conversation's means, paired by sample."""
+    keys = sorted(means[a])
+    return stats.paired_difference([means[a][k] for k in keys], [means[b][k] for k in keys])
+
+
+def mode_difference(records: list[dict], budgets: tuple = (128, 256)) -> stats.Interval:
+    """Chat: lazy - eager over every policy and budget both modes ran, per conversation
+    (per_conversation). Pass one model's records; the split is the caller's choice."""
+    modes = ("lazy", "eager")
+    means = per_conversation(records, lambda r: r.get("evict") if r.get("budget") in budgets else None, modes)
+    if not means["lazy"]:
         raise KvliteError("no cell ran in both chat modes")
-    per_sample: dict = defaultdict(lambda: ([], []))
-    for c in cells:
-        per_sample[c[0]][0].append(by[(*c, "lazy")])
-        per_sample[c[0]][1].append(by[(*c, "eager")])
-    lazy, eager = zip(*[(np.mean(a), np.mean(b)) for a, b in per_sample.values()])
-    return stats.paired_difference(lazy, eager)
+    return arm_difference(means, *modes)
 
 
 def compare_markdown(
