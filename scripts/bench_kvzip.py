@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvlite.engine import Model  # noqa: E402
-from kvlite.haystack import haystack  # noqa: E402
+from kvlite.eval.haystack import haystack  # noqa: E402
 from kvlite.models import default_model_path  # noqa: E402
 from kvlite.policies import KVzip, make_policy  # noqa: E402
 from kvlite.runner import Runner  # noqa: E402

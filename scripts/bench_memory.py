@@ -27,7 +27,7 @@ import threading
 import time
 
 from kvlite.engine import Model
-from kvlite.haystack import haystack
+from kvlite.eval.haystack import haystack
 from kvlite.models import default_model_path
 
 POLICIES = "full,streaming,h2o,tova,snapkv,laq,echokv,knorm,kvzip,cc,cc-fast"

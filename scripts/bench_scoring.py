@@ -36,7 +36,7 @@ import torch
 
 from kvlite.cache import KVCache
 from kvlite.engine import Capture, Context, Model
-from kvlite.haystack import haystack
+from kvlite.eval.haystack import haystack
 from kvlite.models import default_model_path
 from kvlite.native import default_threads, native
 from kvlite.reference.scores import attn_pool as torch_pool

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvlite.api import Session
 from kvlite.engine import Model
-from kvlite.haystack import haystack
+from kvlite.eval.haystack import haystack
 from kvlite.models import default_model_path
 from kvlite.policies import make_policy
 

@@ -63,9 +63,9 @@ pack() {  # $1: DIR
     pip download -q --no-deps --only-binary :all: --python-version "$py" --implementation cp \
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$dir/wheels" $WHEELS
   done
-  step "the test split's prose (kvlite.haystack's NEWS_FILE) out of gensim's wheel, for the 32K stage"
+  step "the test split's prose (kvlite.eval.haystack's NEWS_FILE) out of gensim's wheel, for the 32K stage"
   local news
-  news=$(python3 -c "from kvlite.haystack import NEWS_PACKAGE as p, NEWS_FILE as f; print(p, '/'.join(f))")
+  news=$(python3 -c "from kvlite.eval.haystack import NEWS_PACKAGE as p, NEWS_FILE as f; print(p, '/'.join(f))")
   pip download -q --no-deps --only-binary :all: -d "$tmp" "${news% *}"  # any platform's wheel holds it
   python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('gensim/' + sys.argv[2], sys.argv[3])" \
     "$tmp"/gensim-*.whl "${news#* }" "$dir/news"

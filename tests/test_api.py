@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvlite
-from kvlite.haystack import needle_prompt
+from kvlite.eval.haystack import needle_prompt
 
 
 def test_session_generate_and_chat_on_tiny_model(tiny_paths):

@@ -75,7 +75,7 @@ def test_test_split_is_other_prose_and_other_phrasing(task):
     (tune,) = tasks.generate(task, 1, 2048, count, seed=2)
     (test,) = tasks.generate(task, 1, 2048, count, seed=2, split="test")
     assert tune.split == "tune" and test.split == "test" and test.task == f"test:{task}/2048"
-    from kvlite.haystack import haystack, news
+    from kvlite.eval.haystack import haystack, news
 
     assert any(p[:80] in test.prompt for p in news(300)) and not any(p[:80] in test.prompt for p in haystack(400))
     assert any(p[:80] in tune.prompt for p in haystack(400)) and not any(p[:80] in tune.prompt for p in news(300))

@@ -8,7 +8,7 @@ import pytest
 from test_api import NEEDLE, QUESTION
 
 import kvlite
-from kvlite.haystack import needle_prompt
+from kvlite.eval.haystack import needle_prompt
 
 # A base model has no chat template: the question is followed by the start of its answer.
 CUE = "\nAnswer: The locker code of Orla Bren is"

@@ -236,7 +236,7 @@ def test_policies_on_every_tiny_architecture(tiny_paths, arch, name):
 def test_every_policy_on_smollm2(smol_model):
     """The real model: each policy keeps its budget and protected tokens, leaves no workspace,
     and llama.cpp agrees on what is resident."""
-    from kvlite.haystack import haystack
+    from kvlite.eval.haystack import haystack
 
     tokens = smol_model.tokenize("\n\n".join(haystack(8)))[:600]
     for name in SCORED:

@@ -1,6 +1,6 @@
 """Generated long-context tasks, deterministic from a seed and the model's tokenizer: the answer and
 the evidence positions are known, so accuracy, fidelity and evidence retention can all be measured
-offline. The haystack is real prose (kvlite.haystack: standard-library docstrings).
+offline. The haystack is real prose (kvlite.eval.haystack: standard-library docstrings).
 
 Layouts follow RULER and the full-cache calibration (what SmolLM2-135M and Qwen2.5-Coder-0.5B
 solve with the full cache: docs/design.md, "Calibration")."""
@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable
 
 from ..errors import KvliteError
-from ..haystack import SOURCES
+from .haystack import SOURCES
 
 SPLITS = ("tune", "test")
 
@@ -23,7 +23,7 @@ class Phrasing:
     magic numbers) is where defaults are chosen; the test split (news prose, other words, other
     sentence shapes, six-digit codes) is where they are reported, and no choice ever sees it."""
 
-    source: str  # kvlite.haystack.SOURCES
+    source: str  # kvlite.eval.haystack.SOURCES
     digits: int
     words: tuple[str, ...]  # key parts for needles
     people: tuple[str, ...]

@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import pathlib
 
-from .errors import KvliteError
+from ..errors import KvliteError
 
 NEWS_PACKAGE = "gensim==4.4.0"
 NEWS_FILE = ("test", "test_data", "lee_background.cor")
