@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from kvlite.eval import report, stats, tune  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
 
-POLICIES = ["snapkv", "laq", "echokv", "kvzip", "hybrid"]  # as scripts/results.py's CHAT
+POLICIES = ["snapkv", "laq", "echokv", "kvzip", "hybrid"]  # as scripts/results_stages.py's CHAT
 BUDGETS = [128, 256]
 
 

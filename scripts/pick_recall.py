@@ -35,7 +35,7 @@ from kvlite.eval.records import read_records  # noqa: E402
 from kvlite.eval.specs import spec_name  # noqa: E402
 
 POLICIES = ("laq", "echokv")
-RECALLS = (32, 64, 128, 256)  # as scripts/results.py's RECALL_TUNE
+RECALLS = (32, 64, 128, 256)  # as scripts/results_stages.py's RECALL_TUNE
 
 
 def by_recall(records: list[dict]) -> dict[int, dict]:

@@ -39,7 +39,7 @@ def runs_with(tmp_path: pathlib.Path, records: int, seconds: float) -> pathlib.P
 
 def test_the_estimate_is_cells_left_at_the_rate_measured(results, tmp_path, monkeypatch):
     runs = runs_with(tmp_path, 19, 19 * 3600.0)  # one sample's cells, an hour a cell (over their records' times)
-    monkeypatch.setattr(results, "RUNS", runs)
+    monkeypatch.setattr(results.results_stages, "RUNS", runs)
     stage = next(s for s in results.stages() if s.name == LONG)
     assert results.cells_left(stage, runs) == 684 - 19
     measured = results.rates(runs)
@@ -53,7 +53,7 @@ def test_the_estimate_is_cells_left_at_the_rate_measured(results, tmp_path, monk
 
 def test_gate_refuses_a_long_stage_unless_long(results, tmp_path, monkeypatch, capsys):
     runs = runs_with(tmp_path, 19, 19 * 3600.0)
-    monkeypatch.setattr(results, "RUNS", runs)
+    monkeypatch.setattr(results.results_stages, "RUNS", runs)
     stage = next(s for s in results.stages() if s.name == LONG)
     refusal = results.gate([(stage, 665)], runs, long=False)
     assert refusal is not None and "\n" not in refusal
@@ -65,7 +65,7 @@ def test_gate_refuses_a_long_stage_unless_long(results, tmp_path, monkeypatch, c
 def test_a_complete_stage_costs_nothing(results, tmp_path, monkeypatch, capsys):
     """No cell left: not run (no model loaded), not gated, nothing printed."""
     runs = runs_with(tmp_path, 1, 0.0)  # its first record: the full cache's cell of single 0
-    monkeypatch.setattr(results, "RUNS", runs)
+    monkeypatch.setattr(results.results_stages, "RUNS", runs)
     monkeypatch.setattr(results, "run", lambda *a: pytest.fail("a complete stage was run"))
     cfg = {**next(s for s in results.stages() if s.name == LONG).cfg, "tasks": ["single"], "n": 1, "policies": ["full"]}
     monkeypatch.setattr(results, "stages", lambda quick=False: [results.Stage(LONG, cfg)])
@@ -91,7 +91,7 @@ def test_results_refuses_the_32k_stage_in_one_line_before_any_model_work(tmp_pat
 def test_the_default_run_leaves_the_gpu_stage_out(results, monkeypatch):
     """`scripts/results.py` with no arguments never gates or runs a GPU stage; --list shows it."""
     asked = []
-    monkeypatch.setattr(results, "RUNS", results.RUNS)  # main sets it
+    monkeypatch.setattr(results.results_stages, "RUNS", results.results_stages.RUNS)  # main sets it
     monkeypatch.setattr(results, "gate", lambda left, runs, long: asked.extend(s.name for s, _ in left) or "stop")
     monkeypatch.setattr(sys, "argv", ["results.py"])
     with pytest.raises(SystemExit, match="stop"):

@@ -72,7 +72,8 @@ def test_results_script_says_in_one_line_that_the_native_library_is_missing(tmp_
 
     shutil.copytree(ROOT / "kvlite", tmp_path / "kvlite", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "results.py", tmp_path / "scripts")
+    for script in (ROOT / "scripts").glob("results*.py"):  # results.py and its stages and document
+        shutil.copy(script, tmp_path / "scripts")
     proc = subprocess.run([sys.executable, str(tmp_path / "scripts" / "results.py"), "--quick", "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
