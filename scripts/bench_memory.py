@@ -9,7 +9,8 @@ cache of its own type, and prints the resident cells' K and V bytes and their sh
 cache of the first type listed: the two savings multiply (issue 26). Memory does not depend on
 what else runs, so this can share the CPU; its decode tok/s cannot.
 
-usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--kv-types f16] [--json]
+usage: python scripts/bench_memory.py [--tokens 8192] [--budget 512] [--policies ...] [--kv-types f16]
+       [--prompt-file FILE] [--json]
        [kvlite flags]
 """
 
@@ -34,9 +35,9 @@ POLICIES = "full,streaming,h2o,tova,snapkv,laq,echokv,knorm,kvzip,cc,cc-fast"
 TARGET = 1.15
 
 
-def prose_tokens(model: Model, n: int) -> list[int]:
-    """n tokens of the docstring haystack (repeated if it runs short)."""
-    tokens = model.tokenize("\n\n".join(haystack(10_000)))
+def prose_tokens(model: Model, n: int, text: str | None = None) -> list[int]:
+    """n tokens of text (default: the docstring haystack), repeated if it runs short."""
+    tokens = model.tokenize(text if text is not None else "\n\n".join(haystack(10_000)))
     while len(tokens) < n:
         tokens += tokens
     return tokens[:n]
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--policies", default=POLICIES, help="comma-separated; full is always run first")
     ap.add_argument("-n", "--n-predict", type=int, default=16)
     ap.add_argument("--kv-types", default="f16", help="comma-separated cache types, each for K and V")
+    ap.add_argument("--prompt-file", default=None, help="the prompt's text (repeated to --tokens) instead of prose")
     ap.add_argument("--json", action="store_true")
     args, flags = ap.parse_known_args()  # other flags go to every evicting run: --repeat-chunk 128
     model = Model(default_model_path())
@@ -108,7 +110,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         prompt = os.path.join(d, "prompt.txt")
-        pathlib.Path(prompt).write_text(model.detokenize(prose_tokens(model, args.tokens)))
+        text = pathlib.Path(args.prompt_file).read_text() if args.prompt_file else None
+        pathlib.Path(prompt).write_text(model.detokenize(prose_tokens(model, args.tokens, text)))
         del model
         for kv_type in args.kv_types.split(","):
             full = None

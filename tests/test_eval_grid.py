@@ -409,6 +409,8 @@ def test_recall_is_a_grid_axis_of_multi_turn_tasks(tiny_paths, tmp_path):
                        (dict(tasks=["chat"], policies=["laq(recall=8,recall_lookahead=2)"]), "lookahead")):  # fmt: skip
         with pytest.raises(KvliteError, match=words):
             grid_cfg(tiny_paths, tmp_path / "x", **{"policies": ["snapkv(recall=8)"], **bad}).validate()
+    with pytest.raises(KvliteError, match="evict chooses when a conversation evicts"):  # it was a TypeError per cell
+        grid_cfg(tiny_paths, tmp_path / "y", tasks=["single", "chat"], policies=["echokv(evict=lazy)"]).validate()
 
 
 @pytest.mark.parametrize("spec", ["snapkv", "snapkv(evict=lazy)", "kvzip(C=64)", "echokv(T=4,B1=96,evict=lazy)", "h2o"])

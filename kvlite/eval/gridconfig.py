@@ -145,6 +145,9 @@ class GridConfig:
                     raise KvliteError(f"--policies {spec}: recall brings cells back to a conversation's next turn: "
                                       "multi-turn tasks only (--tasks chat)")  # fmt: skip
                 check_recall(run["recall"], policy_for(spec, None, 1), f"--policies {spec}: recall")
+            if "evict" in run and single:  # a single prompt evicts once it is read, whatever the mode
+                raise KvliteError(f"--policies {spec}: evict chooses when a conversation evicts: multi-turn tasks "
+                                  "only (--tasks chat)")  # fmt: skip
         for t in self.ruler:
             ruler.family(t)
         if self.ruler:
