@@ -975,6 +975,14 @@ fewer cells can help it; this was not measured apart. Small models score 23 to 3
 cache, where kvpress's 8B models score 95, so whole tasks (vt, qa_2, niah_multikey) are 0 for every
 policy and say nothing about eviction.
 
+At 75% and 50% kept (kvpress's ratios 0.25 and 0.5; SmolLM2's `ruler-more-smol-4096-0`, the same 26
+samples, complete 2026-12-07) little is lost: every policy scores 24.7 to 28.9 at 75% and 19.6 to 31.2
+at 50%, against the full cache's 29.9. At 75% no difference with EchoKV is marked (EchoKV - full -0.01,
+EchoKV - SnapKV +0.04); at 50% EchoKV - SnapKV is +0.10 ** and EchoKV - full +0.01 [-0.05, 0.10], while
+StreamingLLM, SnapKV and H2O fall to 19.6-21.9. kvpress's numbers above are at 0.75 and 0.875 only (its
+0.25 and 0.5 were not transcribed), so these two columns have no ordering beside them. Gemma's two
+budgets and SmolLM2's 10% and 1% are stages still to run.
+
 Qwen2.5-0.5B at 4K (26 samples, 2026-12-07, its stage run across sessions) is the strongest of the
 three, the full cache 61.5, and there the lookahead policies hold it: LAQ 60.5 and 61.2 at 25% and
 12.5% kept, EchoKV 59.0 and 54.6 (EchoKV - full -0.03 and -0.07, EchoKV - LAQ -0.02 and -0.07, none

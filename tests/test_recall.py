@@ -335,7 +335,7 @@ def test_a_bare_recall_is_the_tune_splits_pick():
     import sys
 
     from kvlite.cli import build_parser
-    from kvlite.eval import tune
+    from kvlite.eval import report, tune
     from kvlite.eval.records import read_records
     from kvlite.evict import RECALL_PICK
 
@@ -345,10 +345,10 @@ def test_a_bare_recall_is_the_tune_splits_pick():
 
     runs = root / "results-runs" / "recall-tune-smol-1024"
     means = pick_recall.by_recall(tune.tune_only(read_records(runs)))
-    gains = {n: pick_recall.difference(means, n, 0) for n in pick_recall.RECALLS}
+    gains = {n: report.arm_difference(means, n, 0) for n in pick_recall.RECALLS}
     assert json.loads((runs / "pick.json").read_text())["pick"] == RECALL_PICK
     best = max(gains, key=lambda n: gains[n].mean)
-    chosen = [n for n in gains if gains[n].lo > 0 and (n == best or pick_recall.difference(means, best, n).lo <= 0)]
+    chosen = [n for n in gains if gains[n].lo > 0 and (n == best or report.arm_difference(means, best, n).lo <= 0)]
     assert min(chosen) == RECALL_PICK
     for command in ("chat", "serve"):
         assert build_parser().parse_args([command, "--recall"]).recall == RECALL_PICK
