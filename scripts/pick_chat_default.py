@@ -23,11 +23,11 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from results_stages import BUDGETS  # noqa: E402
+from results_stages import CHAT as POLICIES  # noqa: E402  (the chat stages' policies, which it picks among)
+
 from kvlite.eval import report, stats, tune  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
-
-POLICIES = ["snapkv", "laq", "echokv", "kvzip", "hybrid"]  # as scripts/results_stages.py's CHAT
-BUDGETS = [128, 256]
 
 
 def mode_difference(records: list[dict]) -> stats.Interval:

@@ -30,12 +30,13 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from results_stages import RECALL_TUNE as RECALLS  # noqa: E402  (the N its stage ran)
+
 from kvlite.eval import report, tune  # noqa: E402
 from kvlite.eval.records import read_records  # noqa: E402
 from kvlite.eval.specs import spec_name  # noqa: E402
 
 POLICIES = ("laq", "echokv")
-RECALLS = (32, 64, 128, 256)  # as scripts/results_stages.py's RECALL_TUNE
 
 
 def by_recall(records: list[dict]) -> dict[int, dict]:

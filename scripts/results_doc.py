@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 from collections import defaultdict
 
 import numpy as np
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from results_stages import (  # noqa: E402
+from results_stages import (  # results_stages puts the tree's kvlite first on sys.path (results.py imports it first)
     BUDGETS,
     CHAT,
     GPU_STAGES,
@@ -28,6 +23,7 @@ from results_stages import (  # noqa: E402
     PROTECT,
     RECALL_BUDGET,
     RECALLS,
+    ROOT,
     RULER_ORDER,
     SMALL,
     TASKS,
